@@ -1,0 +1,112 @@
+"""Every developer command of tandem, as nox sessions (``nox -l`` lists them).
+
+CPU sessions pin torch first: ``torch==2.13.0`` is a local CPU wheel on our machines,
+and an unpinned ``torch`` (asked for directly or by a dependency) would pull a
+multi-GB CUDA build from the registry. Everything after that is installed with a
+constraint file that holds torch where it is.
+
+GPU sessions (``tests-cuda``, ``tests-rocm``) run on machines with their own
+preinstalled torch and no registry access: they reuse the running interpreter and put
+the four packages on ``PYTHONPATH`` instead of installing them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+ROOT = Path(__file__).parent
+TORCH_CPU = "torch==2.13.0"
+PACKAGES = ("core-futuremap", "scheduler", "spec-eagle", "server")
+PACKAGE_DIRS = tuple(f"packages/{name}" for name in PACKAGES)
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "hatchling>=1.21")
+DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
+
+
+def _constraints(session: nox.Session) -> str:
+    path = Path(session.create_tmp()) / "constraints.txt"
+    path.write_text(f"{TORCH_CPU}\n")
+    return str(path)
+
+
+def _install_cpu_stack(session: nox.Session, *extra: str) -> None:
+    """torch first (the CPU wheel), then the four layers (editable) under a constraint."""
+    session.install(TORCH_CPU)
+    editable = [arg for pkg in PACKAGE_DIRS for arg in ("-e", pkg)]
+    session.install("-c", _constraints(session), *editable, *extra)
+
+
+def _gpu_tests(session: nox.Session, *, want_hip: bool) -> None:
+    probe = (
+        "import sys, torch; ok = torch.cuda.is_available() and "
+        f"(torch.version.hip is not None) == {want_hip}; sys.exit(0 if ok else 1)"
+    )
+    kind = "ROCm" if want_hip else "CUDA"
+    try:
+        session.run("python", "-c", probe, silent=True)
+    except nox.command.CommandFailed:
+        session.error(f"no {kind} device visible to this interpreter's torch")
+    src = os.pathsep.join(str(ROOT / d / "src") for d in PACKAGE_DIRS)
+    env = {**DEBUG_ENV, "PYTHONPATH": src}
+    session.run("python", "-m", "pytest", *session.posargs, env=env)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """CPU test suite of all four packages, debug invariants on (the default session)."""
+    _install_cpu_stack(session, *TEST_DEPS)
+    session.run("pytest", *session.posargs, env=DEBUG_ENV)
+
+
+@nox.session(name="tests-cuda", python=False)
+def tests_cuda(session: nox.Session) -> None:
+    """The suite plus CUDA-marked tests, on a CUDA machine's preinstalled torch."""
+    _gpu_tests(session, want_hip=False)
+
+
+@nox.session(name="tests-rocm", python=False)
+def tests_rocm(session: nox.Session) -> None:
+    """The suite plus ROCm-marked tests, on a ROCm machine's preinstalled torch."""
+    _gpu_tests(session, want_hip=True)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (lint and format check) over everything; mypy --strict on core-futuremap."""
+    session.install(TORCH_CPU)
+    session.install("-c", _constraints(session), "ruff", "mypy", "-e", PACKAGE_DIRS[0])
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", "packages/core-futuremap/src/tandem")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with mkdocs --strict (into build/site)."""
+    session.install("mkdocs-material>=9.5", "mkdocstrings[python]>=0.25")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "build/site", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The asv benchmark suite in quick mode, against this checkout."""
+    _install_cpu_stack(session, "asv>=0.6", "numpy")
+    config = "benchmarks/asv.conf.json"
+    session.run("asv", "machine", "--yes", "--config", config)
+    python = str(Path(session.bin) / "python")
+    session.run(
+        "asv", "run", "--quick", "--show-stderr", "--config", config,
+        "--environment", f"existing:{python}", *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job for now: the FutureMap overlap-loop demo on the CPU host stream."""
+    _install_cpu_stack(session)
+    session.run("python", "-m", "tandem.futuremap", *session.posargs)

@@ -1,0 +1,7 @@
+"""``python -m tandem.futuremap``: the FutureMap overlap-loop demo."""
+
+import sys
+
+from tandem.futuremap.demo import main
+
+sys.exit(main())

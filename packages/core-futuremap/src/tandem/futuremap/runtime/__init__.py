@@ -1,0 +1,67 @@
+"""Device runtime: one ``Stream``/``Event`` abstraction over CUDA/HIP and the CPU host
+stream. See DESIGN §5 and the "Device runtime" section of the FutureMap concepts page."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.futuremap.env import read_env
+from tandem.futuremap.runtime.base import Event, Stream, StreamError, Work
+from tandem.futuremap.runtime.device_stream import DeviceEvent, DeviceStream, device_module
+from tandem.futuremap.runtime.host_stream import (
+    HostEvent,
+    HostStream,
+    InlineStream,
+    current_host_stream,
+)
+
+__all__ = [
+    "DeviceEvent",
+    "DeviceStream",
+    "Event",
+    "HostEvent",
+    "HostStream",
+    "InlineStream",
+    "Stream",
+    "StreamError",
+    "Work",
+    "create_event",
+    "create_stream",
+    "current_stream",
+]
+
+
+def create_stream(
+    device: torch.device | str,
+    *,
+    name: str = "tandem-forward",
+    max_delay_s: float | None = None,
+    seed: int | None = None,
+) -> Stream:
+    """A new stream for ``device``: a ``HostStream`` on the CPU, a
+    ``DeviceStream`` elsewhere.
+
+    ``max_delay_s`` and ``seed`` apply to the host stream only; when omitted they come
+    from ``TANDEM_HOST_STREAM_MAX_DELAY_MS`` / ``TANDEM_HOST_STREAM_SEED``.
+    """
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        return DeviceStream(dev)
+    env = read_env()
+    delay = env.host_stream_max_delay_s if max_delay_s is None else max_delay_s
+    return HostStream(name, max_delay_s=delay, seed=env.host_stream_seed if seed is None else seed)
+
+
+def current_stream(device: torch.device | str) -> Stream:
+    """The stream the calling code runs on: the device's current stream, or on the CPU
+    the host stream whose worker is calling (an ``InlineStream`` otherwise)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return current_host_stream()
+    return DeviceStream(dev, raw=device_module(dev).current_stream(dev))
+
+
+def create_event(device: torch.device | str) -> Event:
+    """A fresh unrecorded event for streams of ``device``."""
+    dev = torch.device(device)
+    return HostEvent() if dev.type == "cpu" else DeviceEvent(dev)
