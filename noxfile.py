@@ -24,7 +24,8 @@ ROOT = Path(__file__).parent
 TORCH_CPU = "torch==2.13.0"
 PACKAGES = ("core-futuremap", "scheduler", "spec-eagle", "server")
 PACKAGE_DIRS = tuple(f"packages/{name}" for name in PACKAGES)
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "hatchling>=1.21")
+# transformers is the reference implementation the engine is checked against.
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "hatchling>=1.21", "transformers>=4.56")
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
 
 
@@ -107,6 +108,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job for now: the FutureMap overlap-loop demo on the CPU host stream."""
+    """The main job: generate text offline with the embedded default model (on the CPU)."""
     _install_cpu_stack(session)
-    session.run("python", "-m", "tandem.futuremap", *session.posargs)
+    args = session.posargs or ["--prompt", "Once upon a time", "--max-new-tokens", "32"]
+    session.run("python", "-m", "tandem.scheduler", "--device", "cpu", *args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tandem.futuremap import TandemEnv, read_env
@@ -21,6 +23,12 @@ def test_values_are_parsed() -> None:
         }
     )
     assert env == TandemEnv(True, "off", 0.0025, 42)
+
+
+def test_cache_dir_is_a_path_and_empty_means_unset() -> None:
+    assert read_env({"TANDEM_CACHE_DIR": "/srv/tandem"}).cache_dir == Path("/srv/tandem")
+    assert read_env({"TANDEM_CACHE_DIR": "~/c"}).cache_dir == Path("~/c").expanduser()
+    assert read_env({"TANDEM_CACHE_DIR": "  "}).cache_dir is None
 
 
 @pytest.mark.parametrize(

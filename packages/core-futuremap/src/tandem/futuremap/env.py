@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 CompileChecks = Literal["auto", "on", "off"]
@@ -63,12 +64,16 @@ class TandemEnv:
             the variable, seconds here); when > 0 every host-stream work item is
             delayed by a random time up to this bound, to shake out ordering bugs.
         host_stream_seed: ``TANDEM_HOST_STREAM_SEED``; seed of those random delays.
+        cache_dir: ``TANDEM_CACHE_DIR``; where tandem keeps what it builds once and reuses
+            (the embedded default model). ``None`` (unset or empty) falls back to the
+            user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``).
     """
 
     debug_futures: bool = False
     compile_checks: CompileChecks = "auto"
     host_stream_max_delay_s: float = 0.0
     host_stream_seed: int | None = None
+    cache_dir: Path | None = None
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
@@ -84,6 +89,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
             seed = int(seed_raw)
         except ValueError:
             raise ValueError(f"TANDEM_HOST_STREAM_SEED={seed_raw!r} is not an integer") from None
+    cache_raw = env.get("TANDEM_CACHE_DIR", "").strip()
     delay_ms = _parse_float(
         "TANDEM_HOST_STREAM_MAX_DELAY_MS", env.get("TANDEM_HOST_STREAM_MAX_DELAY_MS", "0")
     )
@@ -94,4 +100,5 @@ def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
         ),
         host_stream_max_delay_s=delay_ms / 1000.0,
         host_stream_seed=seed,
+        cache_dir=Path(cache_raw).expanduser() if cache_raw else None,
     )

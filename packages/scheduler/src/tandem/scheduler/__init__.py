@@ -1,9 +1,22 @@
-"""tandem.scheduler: requests, batches, memory pools, the radix cache, the normal and
-overlap loops, the model runner, models, attention backends, sampling and the offline
-``Engine``.
+"""tandem.scheduler: requests, batches, memory pools, the scheduling loop, the model
+runner, models, attention backends, sampling and the offline ``Engine``.
 
-This layer is being built (see the Engine issues); for now it only proves that it
-installs on top of ``tandem.futuremap`` in the shared ``tandem`` namespace.
+Quick start:
+
+```python
+from tandem.scheduler import Engine
+
+with Engine() as engine:  # the embedded default model
+    out = engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+    print(out["text"])
+```
+
+Importing this package never imports FlashInfer: the ``flashinfer`` attention backend
+is loaded only when chosen.
 """
 
-LAYER = "scheduler"
+from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.engine import Engine
+from tandem.scheduler.sampling import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "SamplingParams"]

@@ -1,0 +1,65 @@
+"""The attention-backend interface: plan once per batch, then per layer write K/V and
+attend.
+
+Backends see the paged KV cache through ``KVCacheView`` (one K and one V buffer per
+layer, indexed by KV slot) and the request-to-token table (row -> slots). They never
+allocate KV themselves: the scheduler did that, and ``ForwardBatch.out_cache_loc``
+says where each new token's K/V goes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tandem.scheduler.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The attention heads of a model, for backends that plan with them."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: torch.dtype
+
+
+class KVCacheView(Protocol):
+    """What an attention backend needs of the KV pool."""
+
+    page_size: int
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor:
+        """``[num_slots, num_kv_heads, head_dim]`` keys of one layer."""
+        ...
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor:
+        """``[num_slots, num_kv_heads, head_dim]`` values of one layer."""
+        ...
+
+
+class AttentionBackend(ABC):
+    """One attention implementation (``torch``, ``flashinfer``, ...).
+
+    Implementations are built with the paged KV pool's buffers (a ``KVCacheView``) and
+    the ``[rows + 1, max_context]`` int32 request-to-token table of KV slots per row.
+    """
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Build this batch's metadata (index tensors, masks) once, from host-side
+        lengths; every layer of the forward reuses it."""
+
+    @abstractmethod
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` (``[T, num_kv_heads, head_dim]``) into the cache at the
+        batch's ``out_cache_loc``, then attend causally with ``q``
+        (``[T, num_heads, head_dim]``) over each request's prefix plus its new tokens.
+        Returns ``[T, num_heads * head_dim]``."""

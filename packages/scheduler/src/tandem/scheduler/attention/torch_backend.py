@@ -1,0 +1,87 @@
+"""The ``torch`` attention backend: SDPA over gathered pages, any device, exact in fp32.
+
+One batched SDPA call per layer covers every request of the batch: queries are padded
+to ``[B, max_new_tokens]`` and keys gathered to ``[B, max_seq_len]`` through the
+request-to-token table, with a boolean mask for causality and padding. The index
+tensors and the mask are built once per batch in ``plan`` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.scheduler.attention.base import AttentionBackend, KVCacheView
+from tandem.scheduler.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Plan:
+    out_cache_loc: torch.Tensor  # [T]
+    kv_slots: torch.Tensor  # [B, L] slot of each key position
+    query_slot: torch.Tensor  # [T] index of each new token in the padded [B * Q] layout
+    mask: torch.Tensor  # [B, 1, Q, L] True where a query may attend a key
+    batch: int
+    max_query: int
+
+
+class TorchAttention(AttentionBackend):
+    """SDPA over the paged KV cache (see the module docstring)."""
+
+    def __init__(self, kv_cache: KVCacheView, req_to_token: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.req_to_token = req_to_token
+        self._plan: _Plan | None = None
+
+    def plan(self, batch: ForwardBatch) -> None:
+        device = batch.input_ids.device
+        max_query = max(batch.extend_lens_cpu, default=0)
+        max_seq = max(batch.seq_lens_cpu, default=0)
+        b = batch.batch_size
+        # Slot table rows of this batch, cut to the longest sequence: a device gather,
+        # so it sees the req_to_token writes queued before it on the forward stream.
+        kv_slots = self.req_to_token.index_select(0, batch.req_pool_indices)[:, :max_seq].long()
+        offsets = torch.tensor(
+            [i * max_query + j for i, n in enumerate(batch.extend_lens_cpu) for j in range(n)],
+            dtype=torch.int64,
+        ).to(device, non_blocking=True)
+        q_pos = torch.arange(max_query, device=device).view(1, max_query, 1)
+        k_pos = torch.arange(max_seq, device=device).view(1, 1, max_seq)
+        prefix = batch.prefix_lens.view(b, 1, 1)
+        seq = batch.seq_lens.view(b, 1, 1)
+        extend = batch.extend_lens.view(b, 1, 1)
+        causal = (k_pos < seq) & (k_pos <= prefix + q_pos)
+        # Padded query rows attend key 0 only, so SDPA never sees an all-masked row
+        # (which would produce NaN); their outputs are dropped.
+        padded_query = q_pos >= extend
+        mask = torch.where(padded_query, k_pos == 0, causal).unsqueeze(1)
+        self._plan = _Plan(batch.out_cache_loc, kv_slots, offsets, mask, b, max_query)
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("TorchAttention.forward called before plan()")
+        k_buf = self.kv_cache.k_buffer(layer_id)
+        v_buf = self.kv_cache.v_buffer(layer_id)
+        k_buf.index_copy_(0, plan.out_cache_loc, k.to(k_buf.dtype))
+        v_buf.index_copy_(0, plan.out_cache_loc, v.to(v_buf.dtype))
+        _, num_heads, head_dim = q.shape
+        keys = k_buf[plan.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_buf[plan.kv_slots].to(q.dtype).transpose(1, 2)
+        padded = q.new_zeros((plan.batch * plan.max_query, num_heads, head_dim))
+        padded.index_copy_(0, plan.query_slot, q)
+        queries = padded.view(plan.batch, plan.max_query, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=plan.mask,
+            scale=scale,
+            enable_gqa=keys.shape[1] != num_heads,
+        )
+        out = out.transpose(1, 2).reshape(plan.batch * plan.max_query, num_heads * head_dim)
+        return out.index_select(0, plan.query_slot)

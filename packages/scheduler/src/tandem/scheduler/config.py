@@ -1,0 +1,126 @@
+"""The engine's options, typed, with SGLang's names (DESIGN §10).
+
+``Engine(**options)`` and later ``tandem serve --kebab-case`` flags map one to one onto
+``EngineConfig`` fields. An unknown option is an error naming it (and the closest
+known names), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCHEDULE_POLICIES = ("fcfs",)
+
+
+@dataclass
+class EngineConfig:
+    """Every option of the offline ``Engine``.
+
+    Attributes:
+        model_path: Hugging Face checkpoint folder; ``None`` uses the embedded default
+            model (created in the user's cache on first use).
+        tokenizer_path: tokenizer folder when it differs from ``model_path``.
+        dtype: ``auto`` (follow the checkpoint's config), ``float32``, ``bfloat16``,
+            ``float16``.
+        device: ``cpu``, ``cuda``, ``cuda:1``...; ``None`` picks CUDA when available.
+        load_format: ``auto``/``safetensors`` read the checkpoint; ``dummy`` builds
+            seeded random weights from the config alone.
+        random_seed: seed of dummy weights and of sampling for requests without a seed.
+        context_length: longest sequence (prompt + output); default: the model's
+            ``max_position_embeddings``.
+        page_size: tokens per KV page.
+        max_total_tokens: KV pool size in tokens; default: from ``mem_fraction_static``.
+        mem_fraction_static: fraction of memory for the KV pool (free device memory on
+            accelerators, physical RAM on the CPU); default 0.85 on accelerators,
+            0.05 on the CPU.
+        max_running_requests: requests decoding at once (rows of the request pool).
+        chunked_prefill_size: most prompt tokens per prefill batch; a longer prompt is
+            prefilled in chunks. ``-1`` disables chunking.
+        max_prefill_tokens: token budget of one prefill batch (several prompts).
+        attention_backend: ``torch`` or ``flashinfer``; default ``torch``.
+        schedule_policy: ``fcfs`` (first come, first served).
+        disable_overlap_schedule: run the normal loop (launch, wait, process).
+        disable_radix_cache: no prefix sharing across requests.
+        disable_progress_bar: no progress bar for batch generation.
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    load_format: str = "auto"
+    random_seed: int = 0
+    context_length: int | None = None
+    page_size: int = 1
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    attention_backend: str | None = None
+    schedule_policy: str = "fcfs"
+    disable_overlap_schedule: bool = False
+    disable_radix_cache: bool = False
+    disable_progress_bar: bool = False
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> EngineConfig:
+        """Build from keyword options; unknown names are a ``ValueError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"unknown Engine option(s): {', '.join(hints)}")
+        config = cls(**options)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Each invalid value is a ``ValueError`` naming the option."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
+            )
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy={self.schedule_policy!r} is not one of "
+                f"{', '.join(SCHEDULE_POLICIES)}"
+            )
+        _positive(self, "page_size", "max_running_requests", "max_prefill_tokens")
+        _positive_or_none(self, "context_length", "max_total_tokens")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise ValueError(
+                f"chunked_prefill_size must be >= 1 or -1 (off), got {self.chunked_prefill_size}"
+            )
+        frac = self.mem_fraction_static
+        if frac is not None and not 0 < frac < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac}")
+        if not isinstance(self.random_seed, int) or isinstance(self.random_seed, bool):
+            raise ValueError(f"random_seed must be an int, got {self.random_seed!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _positive_or_none(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) is not None:
+            _positive(config, name)

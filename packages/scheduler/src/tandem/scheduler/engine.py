@@ -1,0 +1,491 @@
+"""The offline ``Engine``: SGLang's shape where the concept exists.
+
+``Engine(model_path=None, dtype="auto", device=None, **options)`` loads a checkpoint
+(or the embedded default model), builds the pools, the attention backend, the sampler
+and the FutureMap, and runs the scheduler loop on a thread of its own. ``generate``
+validates every request of a call before any of them is queued, so bad input raises a
+``ValueError`` naming the field and never disturbs other work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import queue
+import sys
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.futuremap import FutureMap, create_stream, read_env
+from tandem.scheduler.attention import HeadShape, create_attention_backend, default_backend
+from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.detokenizer import IncrementalDetokenizer
+from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
+from tandem.scheduler.model_runner import ModelRunner
+from tandem.scheduler.models import ModelConfig, load_model, resolve_dtype
+from tandem.scheduler.request import Request
+from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingParams
+from tandem.scheduler.scheduler import Scheduler, Update
+from tandem.scheduler.stop import StopChecker
+from tandem.scheduler.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[str] | None
+InputIds = Sequence[int] | Sequence[Sequence[int]] | None
+ParamsArg = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+
+
+@dataclass
+class _Waiter:
+    """Where the scheduler thread delivers a request's chunks."""
+
+    req: Request
+    chunks: queue.Queue[dict[str, Any] | BaseException] = field(default_factory=queue.Queue)
+
+
+@dataclass
+class _Parsed:
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Engine:
+    """Offline inference engine. See the "Offline Engine" guide for examples."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = EngineConfig.from_options(
+            {"model_path": model_path, "dtype": dtype, "device": device, **options}
+        )
+        cfg = self.config
+        self.model_path = Path(cfg.model_path) if cfg.model_path else default_model_path()
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.dtype = resolve_dtype(cfg.dtype, self.model_config)
+        max_pos = self.model_config.max_position_embeddings
+        if cfg.context_length is not None and cfg.context_length > max_pos:
+            raise ValueError(
+                f"context_length={cfg.context_length} exceeds the model's "
+                f"max_position_embeddings ({max_pos})"
+            )
+        self.context_length = cfg.context_length or max_pos
+        self.tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or self.model_path))
+        self.eos_ids = _eos_ids(self.model_path, self.model_config, self.tokenizer)
+        if not cfg.disable_overlap_schedule:
+            log.warning("the overlap loop is not implemented yet; running the normal loop")
+        self.scheduler = self._build_scheduler()
+        self._waiters: dict[str, _Waiter] = {}
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- construction ---------------------------------------------------------------------------
+    def _build_scheduler(self) -> Scheduler:
+        cfg, mc = self.config, self.model_config
+        model = load_model(
+            None if cfg.load_format == "dummy" else self.model_path,
+            mc,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=cfg.load_format,
+            seed=cfg.random_seed,
+        )
+        layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        kv_pool = PagedKVPool(self._num_pages(layout), cfg.page_size, layout, self.device)
+        rows = cfg.max_running_requests
+        req_pool = ReqToTokenPool(rows, self.context_length, self.device)
+        heads = HeadShape(
+            mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+            mc.head_dim**-0.5, self.dtype,
+        )  # fmt: skip
+        backend = cfg.attention_backend or default_backend(self.device)
+        attention = create_attention_backend(
+            backend, kv_pool, req_pool.req_to_token, self.device, heads
+        )
+        runner = ModelRunner(
+            model=model,
+            req_pool=req_pool,
+            kv_pool=kv_pool,
+            attention=attention,
+            sampler=Sampler(seed=cfg.random_seed),
+            penalties=PenaltyState(rows, mc.vocab_size, self.device),
+            future_map=FutureMap(rows, self.device),
+            stream=create_stream(self.device, name="tandem-forward"),
+        )
+        self.attention_backend = backend
+        return Scheduler(
+            cfg,
+            runner,
+            eos_ids=self.eos_ids,
+            context_length=self.context_length,
+            strict_accounting=read_env().debug_futures,
+        )
+
+    def _num_pages(self, layout: KVLayout) -> int:
+        cfg = self.config
+        tokens = cfg.max_total_tokens
+        if tokens is None:
+            frac = cfg.mem_fraction_static or (0.05 if self.device.type == "cpu" else 0.85)
+            budget = int(total_memory_bytes(self.device) * frac) // layout.bytes_per_token
+            tokens = min(budget, cfg.max_running_requests * self.context_length)
+        pages = tokens // cfg.page_size + 1  # + the padding page
+        if pages < 2:
+            raise ValueError(f"max_total_tokens={tokens} leaves no room for a single KV page")
+        return pages
+
+    # -- public API -------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: ParamsArg = None,
+        input_ids: InputIds = None,
+        stream: bool = False,
+        return_logprob: bool | Sequence[bool] = False,
+        top_logprobs_num: int | Sequence[int] = 0,
+    ) -> Any:
+        """Generate for one prompt or a batch.
+
+        Returns a dict (one prompt) or a list of dicts (a batch), each with ``text``,
+        ``output_ids`` and ``meta_info``; ``n > 1`` in the sampling parameters turns
+        each prompt into ``n`` results, in order. With ``stream=True`` returns an iterator of
+        incremental chunks (``text`` and ``output_ids`` hold only what is new; the
+        last chunk carries ``meta_info["finish_reason"]``); streaming takes one prompt.
+        """
+        single, waiters = self._submit(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream
+        )
+        if stream:
+            return self._stream(waiters[0])
+        results = self._collect(waiters)
+        return results[0] if single else results
+
+    async def async_generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: ParamsArg = None,
+        input_ids: InputIds = None,
+        stream: bool = False,
+        return_logprob: bool | Sequence[bool] = False,
+        top_logprobs_num: int | Sequence[int] = 0,
+    ) -> Any:
+        """The ``generate`` twin for asyncio: awaits the result, or with
+        ``stream=True`` returns an async iterator of chunks."""
+        single, waiters = self._submit(
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream
+        )
+        if stream:
+            return self._astream(waiters[0])
+        results = await asyncio.to_thread(self._collect, waiters, False)
+        return results[0] if single else results
+
+    def get_server_info(self) -> dict[str, Any]:
+        """Configuration, model facts, memory and counters, as one dict."""
+        s = self.scheduler
+        kv, rows = s.kv_pool, s.req_pool
+        return {
+            **self.config.as_dict(),
+            "model_path": str(self.model_path),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "architecture": self.model_config.architecture,
+            "context_length": self.context_length,
+            "attention_backend": self.attention_backend,
+            "overlap_schedule": False,
+            "max_total_tokens": kv.capacity_tokens,
+            "available_kv_tokens": kv.available_tokens,
+            "free_rows": rows.available,
+            "num_running_requests": len(s.running) + len(s.prefilling),
+            "num_waiting_requests": len(s.waiting),
+            **vars(s.counters),
+        }
+
+    def shutdown(self) -> None:
+        """Stop the scheduler thread and the forward stream; pending requests end
+        with an error."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(("stop", None))
+        self._thread.join()
+        self.scheduler.runner.stream.synchronize()
+        close = getattr(self.scheduler.runner.stream, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- request intake ---------------------------------------------------------------------------
+    def _submit(
+        self,
+        prompt: Prompt,
+        sampling_params: ParamsArg,
+        input_ids: InputIds,
+        return_logprob: bool | Sequence[bool],
+        top_logprobs_num: int | Sequence[int],
+        stream: bool,
+    ) -> tuple[bool, list[_Waiter]]:
+        """Validate every request, then queue them all; nothing is queued when any
+        request is invalid."""
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        if self._failure is not None:
+            raise RuntimeError("the scheduler loop died") from self._failure
+        single, prompts = self._prompt_ids(prompt, input_ids)
+        if stream and not single:
+            raise ValueError("stream=True takes a single prompt (or input_ids list)")
+        n = len(prompts)
+        params = _per_request(sampling_params, n, "sampling_params")
+        logprob = _per_request(return_logprob, n, "return_logprob")
+        top_n = _per_request(top_logprobs_num, n, "top_logprobs_num")
+        parsed = [
+            self._parse(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        vocab = self.model_config.vocab_size
+        for top in top_n:
+            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= vocab:
+                raise ValueError(f"top_logprobs_num must be an int in [0, {vocab}], got {top!r}")
+        if stream and parsed[0].params.n > 1:
+            raise ValueError("stream=True takes n=1")
+        waiters = []
+        for item, want_lp, top in zip(parsed, logprob, top_n, strict=True):
+            for copy in _copies(item):
+                req = self._request(
+                    copy,
+                    bool(want_lp or item.params.return_logprob),
+                    max(top, item.params.top_logprobs_num),
+                )
+                waiter = _Waiter(req)
+                self._waiters[req.rid] = waiter
+                waiters.append(waiter)
+                self._inbox.put(("add", req))
+        return single and len(waiters) == 1, waiters
+
+    def _prompt_ids(self, prompt: Prompt, input_ids: InputIds) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt and input_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass input_ids instead of prompt")
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            for i, text in enumerate(texts):
+                if not isinstance(text, str):
+                    raise ValueError(f"prompt {i} is not a string")
+                if not text:
+                    raise ValueError(f"prompt {i} is empty")
+            return single, [self.tokenizer.encode(t) for t in texts]
+        assert input_ids is not None
+        single = len(input_ids) == 0 or not isinstance(input_ids[0], Sequence)
+        batch = [list(input_ids)] if single else [list(ids) for ids in input_ids]  # type: ignore[arg-type]
+        return single, batch
+
+    def _parse(self, index: int, ids: list[int], raw: Mapping[str, Any] | None) -> _Parsed:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError(f"request {index}: input_ids is empty")
+        for tok in ids:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
+                raise ValueError(
+                    f"request {index}: input_ids holds {tok!r}, outside the vocabulary [0, {vocab})"
+                )
+        try:
+            params = SamplingParams.from_dict(raw)
+            params.validate(vocab, context_len=self.context_length, prompt_len=len(ids))
+        except ValueError as exc:
+            raise ValueError(f"request {index}: {exc}") from None
+        need = len(ids) + params.max_new_tokens
+        if need > self.scheduler.kv_pool.capacity_tokens:
+            raise ValueError(
+                f"request {index}: prompt + max_new_tokens = {need} tokens exceeds the KV "
+                f"pool ({self.scheduler.kv_pool.capacity_tokens} tokens, max_total_tokens)"
+            )
+        return _Parsed(ids, params)
+
+    def _request(self, item: _Parsed, return_logprob: bool, top_n: int) -> Request:
+        detok = (
+            IncrementalDetokenizer(
+                self.tokenizer, item.prompt_ids, skip_special_tokens=item.params.skip_special_tokens
+            )
+            if self.tokenizer is not None
+            else None
+        )
+        stop = StopChecker(item.params.stop_strings, detok)
+        return Request(
+            rid=uuid.uuid4().hex,
+            prompt_ids=item.prompt_ids,
+            params=item.params,
+            stop=stop,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_n,
+        )
+
+    # -- the scheduler thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                block = not self.scheduler.has_work()
+                if not self._drain_inbox(block):
+                    break
+                for update in self.scheduler.step():
+                    self._deliver(update)
+        except BaseException as exc:
+            log.exception("scheduler loop failed")
+            self._failure = exc
+            for waiter in list(self._waiters.values()):
+                waiter.chunks.put(exc)
+        finally:
+            for waiter in list(self._waiters.values()):
+                waiter.chunks.put(RuntimeError("the engine shut down before the request finished"))
+            self._waiters.clear()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Move new requests into the scheduler; ``False`` when asked to stop."""
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self.scheduler.add(item)
+
+    def _deliver(self, update: Update) -> None:
+        req = update.req
+        waiter = self._waiters.get(req.rid)
+        if waiter is None:
+            return
+        chunk = {
+            "text": req.stop.take_new_text(final=update.finished),
+            "output_ids": list(update.new_ids),
+            "meta_info": self._meta(req),
+        }
+        if update.finished:
+            del self._waiters[req.rid]
+        waiter.chunks.put(chunk)
+
+    def _meta(self, req: Request) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish.as_dict() if req.finish else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                (lp, tok, None)
+                for lp, tok in zip(req.output_logprobs, req.output_ids, strict=False)
+            ]
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = [
+                    [(lp, tok, None) for lp, tok in step] for step in req.output_top_logprobs
+                ]
+        return meta
+
+    # -- results -----------------------------------------------------------------------------------
+    def _stream(self, waiter: _Waiter) -> Iterator[dict[str, Any]]:
+        while True:
+            chunk = waiter.chunks.get()
+            if isinstance(chunk, BaseException):
+                raise RuntimeError("generation failed") from chunk
+            yield chunk
+            if chunk["meta_info"]["finish_reason"] is not None:
+                return
+
+    async def _astream(self, waiter: _Waiter) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            chunk = await asyncio.to_thread(waiter.chunks.get)
+            if isinstance(chunk, BaseException):
+                raise RuntimeError("generation failed") from chunk
+            yield chunk
+            if chunk["meta_info"]["finish_reason"] is not None:
+                return
+
+    def _collect(self, waiters: list[_Waiter], progress: bool = True) -> list[dict[str, Any]]:
+        bar = self._progress(len(waiters)) if progress else None
+        results = []
+        try:
+            for waiter in waiters:
+                text, ids, meta = "", [], None
+                for chunk in self._stream(waiter):
+                    text += chunk["text"]
+                    ids.extend(chunk["output_ids"])
+                    meta = chunk["meta_info"]
+                results.append({"text": text, "output_ids": ids, "meta_info": meta})
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+    def _progress(self, total: int) -> Any:
+        if total < 2 or self.config.disable_progress_bar or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="generate", unit="req")
+
+
+def _copies(item: _Parsed) -> list[_Parsed]:
+    """``n`` independent samples of one prompt, as ``n`` requests (in order). Seeded
+    copies get consecutive seeds, so they differ from each other yet reproduce."""
+    n = item.params.n
+    if n == 1:
+        return [item]
+    out = []
+    for i in range(n):
+        seed = None if item.params.seed is None else item.params.seed + i
+        params = dataclasses.replace(item.params, n=1, seed=seed)
+        out.append(_Parsed(item.prompt_ids, params))
+    return out
+
+
+def _per_request(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes | Mapping):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _load_tokenizer(path: Path) -> Tokenizer | None:
+    # Checkpoints without tokenizer.json (random test models, say) run on ids alone.
+    if not (path / "tokenizer.json").exists():
+        return None
+    return Tokenizer.from_pretrained(path)
+
+
+def _eos_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """Every id that ends a sequence: config.json, generation_config.json, tokenizer."""
+    ids = set(config.eos_token_id or ())
+    gen = path / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids |= {value} if isinstance(value, int) else set(value or ())
+    if tokenizer is not None:
+        ids |= set(tokenizer.eos_token_ids)
+    return frozenset(ids)

@@ -1,0 +1,150 @@
+"""Runs one ``ScheduledBatch`` on the forward stream: resolve, forward, sample, stash,
+copy to host, record copy-done.
+
+Everything in ``_forward_step`` is device work enqueued in stream order (on the CPU
+it runs on the host stream's worker thread). The host gets a ``LaunchedBatch`` back at
+once and touches its results only after waiting on its copy-done event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.futuremap import Event, FutureMap, Stream, Work
+from tandem.scheduler.attention import AttentionBackend
+from tandem.scheduler.forward_batch import ForwardBatch
+from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
+from tandem.scheduler.models import CausalLM
+from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingBatchInfo
+from tandem.scheduler.schedule_batch import ScheduledBatch
+
+
+@dataclass
+class StepResult:
+    """Host copies of one batch's outputs, valid after its copy-done event.
+
+    Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled)."""
+
+    next_token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprob_values: torch.Tensor | None = None
+    top_logprob_ids: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class LaunchedBatch:
+    """A batch in flight: what was scheduled, the work that yields its host results,
+    and the copy-done event the host waits on before reading them."""
+
+    batch: ScheduledBatch
+    work: Work[StepResult]
+    copy_done: Event
+
+    def wait(self) -> StepResult:
+        self.copy_done.synchronize()
+        return self.work.result()
+
+
+class ModelRunner:
+    """Owns the model and the device-side state one forward touches."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        req_pool: ReqToTokenPool,
+        kv_pool: PagedKVPool,
+        attention: AttentionBackend,
+        sampler: Sampler,
+        penalties: PenaltyState,
+        future_map: FutureMap,
+        stream: Stream,
+    ) -> None:
+        self.model = model
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+        self.attention = attention
+        self.sampler = sampler
+        self.penalties = penalties
+        self.future_map = future_map
+        self.stream = stream
+        self.device = future_map.device
+        self.forward_steps = 0
+
+    def launch(self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None) -> LaunchedBatch:
+        """Enqueue the batch on the forward stream; returns without waiting."""
+        self.forward_steps += 1
+        work = self.stream.submit(self._forward_step, batch, sampling)
+        return LaunchedBatch(batch, work, self.stream.record_event())
+
+    def discard_rows(self, rows: list[int]) -> None:
+        """Freed rows forget their futures, in stream order (after any queued read)."""
+        if rows:
+            self.stream.submit(self.future_map.discard, rows)
+
+    # -- on the forward stream --------------------------------------------------------------
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _write_tables(self, batch: ScheduledBatch) -> None:
+        # Enqueued on the forward stream: a queued forward may still read the table.
+        if batch.table_rows:
+            table = self.req_pool.req_to_token
+            table[self._tensor(batch.table_rows), self._tensor(batch.table_cols)] = self._tensor(
+                batch.table_slots
+            ).to(table.dtype)
+        for req in batch.penalty_resets:
+            assert req.row is not None
+            self.penalties.reset_row(req.row, self._tensor(req.prompt_ids), req.params)
+
+    def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        input_ids = self.future_map.resolve_mixed(batch.prefill_tokens, batch.decode_rows)
+        seq_lens = batch.seq_lens
+        return ForwardBatch(
+            mode=batch.mode,
+            input_ids=input_ids,
+            positions=self._tensor(batch.positions),
+            req_pool_indices=self._tensor(batch.rows),
+            seq_lens=self._tensor(seq_lens),
+            prefix_lens=self._tensor(batch.prefix_lens),
+            extend_lens=self._tensor(batch.extend_lens),
+            out_cache_loc=self._tensor(batch.out_cache_loc),
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=list(batch.prefix_lens),
+            extend_lens_cpu=list(batch.extend_lens),
+        )
+
+    @torch.inference_mode()
+    def _forward_step(
+        self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None
+    ) -> StepResult:
+        self._write_tables(batch)
+        fb = self._forward_batch(batch)
+        self.attention.plan(fb)
+        hidden = self.model(fb.input_ids, fb.positions, self.attention)
+        if not batch.sample_indices or sampling is None:
+            return StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+        last = fb.last_token_indices.index_select(0, self._tensor(batch.sample_indices))
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        out = self.sampler.sample(logits, sampling, self.penalties)
+        rows = self._tensor([batch.reqs[i].row for i in batch.sample_indices])  # type: ignore[misc]
+        self.future_map.stash(rows, out.next_token_ids)
+        if sampling.need_penalties:
+            self.penalties.record(rows, out.next_token_ids)
+        return self._to_host(out, logits if batch.return_logits else None)
+
+    @staticmethod
+    def _to_host(out: object, logits: torch.Tensor | None) -> StepResult:
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=True)
+
+        top = getattr(out, "top_logprobs", None)
+        return StepResult(
+            next_token_ids=host(out.next_token_ids),  # type: ignore[attr-defined, arg-type]
+            logprobs=host(getattr(out, "logprobs", None)),
+            top_logprob_values=host(top[0]) if top is not None else None,
+            top_logprob_ids=host(top[1]) if top is not None else None,
+            logits=host(logits),
+        )

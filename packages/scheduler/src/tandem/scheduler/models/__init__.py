@@ -1,0 +1,20 @@
+"""Llama-family models (Llama 2/3, Qwen2, Qwen3, Mistral): config, layers, weights."""
+
+from __future__ import annotations
+
+from tandem.scheduler.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.scheduler.models.decoder import CausalLM
+from tandem.scheduler.models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rotary
+from tandem.scheduler.models.weights import LOAD_FORMATS, load_model, resolve_dtype
+
+__all__ = [
+    "LOAD_FORMATS",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_ROPE_TYPES",
+    "CausalLM",
+    "ModelConfig",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "load_model",
+    "resolve_dtype",
+]

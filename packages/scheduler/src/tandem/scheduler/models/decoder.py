@@ -1,0 +1,179 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) over packed tokens.
+
+One module tree serves all four families; ``ModelConfig`` switches the few places they
+differ (q/k/v bias, per-head q/k norm, head_dim, tied embeddings). Tokens arrive packed,
+``[T]`` for the whole batch, never padded: attention is the only place that needs to know
+where one request ends, and it learns that from the backend's plan, not from the model.
+Module and parameter names are those of the Hugging Face checkpoints, so loading weights
+is a copy by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.scheduler.attention.base import AttentionBackend
+from tandem.scheduler.models.config import ModelConfig
+from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm. Statistics in float32 (bf16 sums of squares lose the small
+    activations), the result cast back before the weight, as the checkpoints were trained."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention: project, optionally norm q/k per head, rotate, then hand the heads
+    to the attention backend, which owns the KV cache and the causal mask."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, config.kv_size, bias=bias)
+        self.o_proj = nn.Linear(config.q_size, hidden, bias=config.attention_out_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out: torch.Tensor = self.o_proj(attn.forward(self.layer_id, q, k, v, scale=self.scale))
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn)
+        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return out
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm: the checkpoints' ``model.`` prefix."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Shared by every layer: one gather of the cos/sin table per forward, not per layer.
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        cos, sin = self.rotary_emb(positions)
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attn)
+        out: torch.Tensor = self.norm(hidden)
+        return out
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM over packed tokens.
+
+    ``forward`` stops at the final norm so the caller picks which rows need logits
+    (usually one per request) before paying for the vocabulary projection.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head`` share the embedding's storage when the config ties them.
+
+        Called again after materializing a meta-built model, since replacing parameters
+        one module at a time (``to_empty``) can leave the two names pointing apart.
+        """
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """``[T]`` token ids and positions -> ``[T, hidden]`` final-norm hidden states.
+
+        ``attn`` must already be planned for this batch (the runner does that once).
+        """
+        hidden: torch.Tensor = self.model(input_ids, positions, attn)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits (sampling wants float32)."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()

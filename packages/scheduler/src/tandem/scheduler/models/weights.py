@@ -1,0 +1,223 @@
+"""Building a ``CausalLM`` with its weights: from a Hugging Face safetensors folder, or
+reproducible dummy weights from the config alone.
+
+The model is built on the ``meta`` device (shapes only) and materialized once on the
+target device in the target dtype, so a checkpoint never costs a float32 copy or a
+random init that is overwritten anyway. A checkpoint is checked against the model by
+name and shape before anything is allocated, and every mismatch is reported at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from safetensors import safe_open
+
+from tandem.scheduler.models.config import ModelConfig
+from tandem.scheduler.models.decoder import CausalLM, RMSNorm
+
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+DUMMY_STD = 0.02
+
+_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }
+)
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+Shape = tuple[int, ...]
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """The dtype to run in. ``"auto"`` follows the checkpoint's recorded dtype (bf16 runs
+    as bf16 even on a CPU: slower than float32 there, but what the user asked for) and
+    float32 when the checkpoint records none."""
+    if name == "auto":
+        if config.dtype is None:
+            return torch.float32
+        if config.dtype not in _DTYPES:
+            raise ValueError(f"checkpoint dtype {config.dtype!r} is not supported; pass a dtype")
+        return _DTYPES[config.dtype]
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_model(
+    model_path: str | Path | None,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> CausalLM:
+    """A ``CausalLM`` on ``device`` in ``dtype``, in eval mode, without gradients.
+
+    ``load_format``: ``"auto"``/``"safetensors"`` read ``model_path`` (one
+    ``model.safetensors`` or shards listed by ``model.safetensors.index.json``);
+    ``"dummy"`` ignores it and draws weights from ``seed`` (see ``dummy_tensor``).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
+    device = torch.device(device)
+    if load_format == "dummy":
+        model = _materialize(_build_on_meta(config, dtype), device)
+        _fill_dummy(model, seed)
+        return _for_inference(model)
+    if model_path is None:
+        raise ValueError(f"load_format {load_format!r} needs a model_path")
+    files = checkpoint_files(Path(model_path))
+    found = _tensor_shapes(files)
+    model = _build_on_meta(config, dtype)
+    check_checkpoint(expected_shapes(model), found, config, where=str(model_path))
+    model = _materialize(model, device)
+    _copy_checkpoint(model, files)
+    return _for_inference(model)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, shards in a stable order."""
+    index = path / _INDEX_FILE
+    if index.is_file():
+        with index.open(encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists missing shards: {', '.join(absent)}")
+        return files
+    if (path / _SINGLE_FILE).is_file():
+        return [path / _SINGLE_FILE]
+    raise FileNotFoundError(f"no {_SINGLE_FILE} or {_INDEX_FILE} in {path}")
+
+
+def expected_shapes(model: CausalLM) -> dict[str, Shape]:
+    """Every tensor a checkpoint must provide: the parameters, a tied head counted once
+    (under the embedding's name, as tied checkpoints store it)."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_checkpoint(
+    expected: Mapping[str, Shape],
+    found: Mapping[str, Shape],
+    config: ModelConfig,
+    *,
+    where: str,
+) -> None:
+    """Raise one ValueError naming every missing, mis-shaped and unexpected tensor."""
+    missing = sorted(set(expected) - set(found))
+    misshaped = [
+        f"{n} (expected {list(expected[n])}, got {list(found[n])})"
+        for n in sorted(set(expected) & set(found))
+        if expected[n] != found[n]
+    ]
+    unexpected = sorted(n for n in set(found) - set(expected) if not _ignorable(n, config))
+    problems = [
+        f"{label}: {', '.join(names)}"
+        for label, names in (
+            ("missing", missing),
+            ("mis-shaped", misshaped),
+            ("unexpected", unexpected),
+        )
+        if names
+    ]
+    if problems:
+        raise ValueError(
+            f"checkpoint {where} does not fit {config.architecture}: " + "; ".join(problems)
+        )
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    """Old checkpoints saved rotary ``inv_freq`` buffers (recomputed here from the
+    config); some tied checkpoints also store the head they share with the embedding."""
+    return name.endswith("rotary_emb.inv_freq") or (
+        config.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def dummy_tensor(name: str, shape: Shape, seed: int, *, is_norm: bool) -> torch.Tensor:
+    """The float32 CPU value of one dummy parameter.
+
+    It depends on (seed, name, shape) only: not on dtype, device, or the order parameters
+    are created in, so two runs, two dtypes or a refactored module tree get the same
+    weights. Norm weights are ones so activations keep their scale through the layers.
+    """
+    if is_norm:
+        return torch.ones(shape)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.randn(shape, generator=generator) * DUMMY_STD
+
+
+def _build_on_meta(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
+    """Shapes and dtypes without storage; also where a bad config (rope type, ...) fails."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    return model.to(dtype=dtype)
+
+
+def _materialize(model: CausalLM, device: torch.device) -> CausalLM:
+    """Allocate uninitialized storage on ``device``.
+
+    A tied head is detached first and re-tied after: ``to_empty`` would otherwise allocate
+    it a second, vocabulary-sized buffer only to drop it.
+    """
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = None  # type: ignore[assignment]
+    model.to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
+def _tensor_shapes(files: Iterable[Path]) -> dict[str, Shape]:
+    """Names and shapes from the safetensors headers, without reading any data."""
+    shapes: dict[str, Shape] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+@torch.no_grad()
+def _copy_checkpoint(model: CausalLM, files: Iterable[Path]) -> None:
+    """Copy each stored tensor into its parameter, converting dtype and device on the way.
+
+    Only names the model expects are read, so ignorable extras never cost a load.
+    """
+    params = dict(model.named_parameters())
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in params:
+                    params[name].copy_(f.get_tensor(name))
+
+
+@torch.no_grad()
+def _fill_dummy(model: CausalLM, seed: int) -> None:
+    norms = {
+        f"{module_name}.weight"
+        for module_name, module in model.named_modules()
+        if isinstance(module, RMSNorm)
+    }
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        param.copy_(dummy_tensor(name, shape, seed, is_norm=name in norms))
+
+
+def _for_inference(model: CausalLM) -> CausalLM:
+    """Serving never trains: no autograd bookkeeping even if a caller forgets a no-grad."""
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,79 @@
+"""A request's host-side state: what it asked for, what it holds, what it produced.
+
+The host keeps the truth about lengths here (``kv_len``, ``output_ids``); the device
+only ever sees what a batch built from this state tells it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.scheduler.sampling import SamplingParams
+from tandem.scheduler.stop import StopChecker
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended, in SGLang's ``meta_info["finish_reason"]`` shape."""
+
+    kind: str  # "length" | "stop" | "abort"
+    length: int | None = None
+    matched: int | str | None = None
+    message: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind}
+        if self.kind == "length":
+            out["length"] = self.length
+        elif self.kind == "stop":
+            out["matched"] = self.matched
+        else:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    ``kv_len`` counts the tokens whose K/V has been scheduled into the cache: the
+    prefill advances it chunk by chunk, each decode step by one. ``pages`` are the KV
+    pages the request holds; ``row`` its row in the request pool while admitted.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    row: int | None = None
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    finish: FinishReason | None = None
+    cached_tokens: int = 0
+    created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.kv_len >= len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the sequence the host knows: prompt plus outputs."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def sample_step(self) -> int:
+        """Index of the next token this request samples (keys its seeded randomness)."""
+        return len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None

@@ -1,0 +1,111 @@
+"""The offline command line, the progress bar, and requests in flight while another
+call is refused."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from reference_models import VOCAB
+
+from tandem.scheduler import Engine
+from tandem.scheduler.cli import main
+
+PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def _engine(path: Path, **options: object) -> Engine:
+    opts = {"dtype": "float32", "device": "cpu", "disable_overlap_schedule": True}
+    opts.update(options)
+    return Engine(model_path=str(path), **opts)  # type: ignore[arg-type]
+
+
+def test_cli_generates_with_the_embedded_default_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    assert main(["--prompt", "Hello", "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    assert main(["--chat", "--prompt", "Hi", "--max-new-tokens", "3", "--no-stream"]) == 0
+    out = capsys.readouterr().out
+    assert "--- 'Hello'" in out
+    assert "--- 'Hi'" in out
+    assert (tmp_path / "tandem").is_dir()  # the default model was built in the cache
+
+
+def test_cli_reports_bad_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    assert main(["--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert main(["--model-path", str(tmp_path / "missing")]) == 2
+
+
+def test_progress_bar_only_in_a_terminal_and_can_be_disabled(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    created: list[int] = []
+    import tqdm
+
+    real = tqdm.tqdm
+
+    def spy(*args: object, **kwargs: object) -> object:
+        created.append(int(kwargs.get("total", 0)))  # type: ignore[arg-type]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", spy)
+    batch = [[3, 4, 5], [6, 7]]
+    with _engine(checkpoints["llama"]) as engine:
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+        engine.generate(input_ids=batch, sampling_params=PARAMS)
+        assert created == [2]
+        engine.generate(input_ids=batch[0], sampling_params=PARAMS)  # one prompt: no bar
+        assert created == [2]
+    with _engine(checkpoints["llama"], disable_progress_bar=True) as quiet:
+        quiet.generate(input_ids=batch, sampling_params=PARAMS)
+    assert created == [2]
+
+
+def test_a_refused_request_leaves_requests_in_flight_alone(checkpoints: dict[str, Path]) -> None:
+    long = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    prompt = [(5 * i) % VOCAB for i in range(20)]
+    with _engine(checkpoints["qwen2"]) as engine:
+        reference = engine.generate(input_ids=prompt, sampling_params=long)
+        result: dict[str, object] = {}
+        stream = engine.generate(input_ids=prompt, sampling_params=long, stream=True)
+        first = next(stream)  # the request is running now
+
+        def finish() -> None:
+            result["ids"] = first["output_ids"] + [t for c in stream for t in c["output_ids"]]
+
+        worker = threading.Thread(target=finish)
+        worker.start()
+        for bad in ({"temperature": -2}, {"top_k": -5}, {"max_new_tokens": -1}):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                engine.generate(input_ids=prompt, sampling_params=bad)
+        with pytest.raises(ValueError, match="input_ids"):
+            engine.generate(input_ids=[VOCAB + 1])
+        worker.join(60)
+        info = engine.get_server_info()
+    assert result["ids"] == reference["output_ids"]
+    assert info["free_rows"] == info["max_running_requests"]
+
+
+def test_n_samples_per_prompt(checkpoints: dict[str, Path]) -> None:
+    params = {"max_new_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3, "ignore_eos": True}
+    with _engine(checkpoints["llama3"]) as engine:
+        outs = engine.generate(input_ids=[4, 5, 6], sampling_params=params)
+        again = engine.generate(input_ids=[4, 5, 6], sampling_params=params)
+        two = engine.generate(input_ids=[[4, 5, 6], [9, 9]], sampling_params=params)
+    assert len(outs) == 3
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in again]
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    assert len(two) == 6
+    assert [o["output_ids"] for o in two[:3]] == [o["output_ids"] for o in outs]
+
+
+def test_context_length_beyond_the_model_is_refused(checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="context_length"):
+        _engine(checkpoints["llama"], context_length=10_000)
