@@ -46,7 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_path=args.model_path,
             device=args.device,
             dtype=args.dtype,
-            disable_overlap_schedule=True,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

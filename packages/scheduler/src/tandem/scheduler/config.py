@@ -15,7 +15,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-SCHEDULE_POLICIES = ("fcfs",)
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass
@@ -44,9 +44,12 @@ class EngineConfig:
             prefilled in chunks. ``-1`` disables chunking.
         max_prefill_tokens: token budget of one prefill batch (several prompts).
         attention_backend: ``torch`` or ``flashinfer``; default ``torch``.
-        schedule_policy: ``fcfs`` (first come, first served).
-        disable_overlap_schedule: run the normal loop (launch, wait, process).
+        schedule_policy: ``fcfs`` (first come, first served) or ``lpm`` (longest
+            cached prefix first; needs the radix cache).
+        disable_overlap_schedule: run the normal loop (launch, wait, process) instead
+            of the overlap loop (launch N+1, then process N).
         disable_radix_cache: no prefix sharing across requests.
+        enable_mixed_chunk: let decoding requests ride along in prefill batches.
         disable_progress_bar: no progress bar for batch generation.
     """
 
@@ -67,6 +70,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
+    enable_mixed_chunk: bool = False
     disable_progress_bar: bool = False
 
     @classmethod

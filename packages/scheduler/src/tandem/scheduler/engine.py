@@ -86,8 +86,6 @@ class Engine:
         self.context_length = cfg.context_length or max_pos
         self.tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or self.model_path))
         self.eos_ids = _eos_ids(self.model_path, self.model_config, self.tokenizer)
-        if not cfg.disable_overlap_schedule:
-            log.warning("the overlap loop is not implemented yet; running the normal loop")
         self.scheduler = self._build_scheduler()
         self._waiters: dict[str, _Waiter] = {}
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -195,10 +193,18 @@ class Engine:
         results = await asyncio.to_thread(self._collect, waiters, False)
         return results[0] if single else results
 
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its ``meta_info["id"]``) wherever it is: queued,
+        prefilling, decoding or in flight. Its caller receives a final result with
+        ``finish_reason`` ``{"type": "abort", ...}``; its row and KV pages come back
+        once no launched batch still uses them. Unknown or finished ids are ignored."""
+        self._inbox.put(("abort", request_id))
+
     def get_server_info(self) -> dict[str, Any]:
         """Configuration, model facts, memory and counters, as one dict."""
         s = self.scheduler
         kv, rows = s.kv_pool, s.req_pool
+        timeline = s.runner.timeline
         return {
             **self.config.as_dict(),
             "model_path": str(self.model_path),
@@ -207,13 +213,17 @@ class Engine:
             "architecture": self.model_config.architecture,
             "context_length": self.context_length,
             "attention_backend": self.attention_backend,
-            "overlap_schedule": False,
+            "overlap_schedule": s.overlap,
             "max_total_tokens": kv.capacity_tokens,
             "available_kv_tokens": kv.available_tokens,
             "free_rows": rows.available,
             "num_running_requests": len(s.running) + len(s.prefilling),
             "num_waiting_requests": len(s.waiting),
+            "cached_kv_tokens": (s.radix.cached_pages * kv.page_size) if s.radix else 0,
             **vars(s.counters),
+            "device_busy_s": timeline.busy_s,
+            "device_idle_s": timeline.idle_s,
+            "device_idle_fraction": timeline.idle_fraction,
         }
 
     def shutdown(self) -> None:
@@ -347,7 +357,7 @@ class Engine:
                 block = not self.scheduler.has_work()
                 if not self._drain_inbox(block):
                     break
-                for update in self.scheduler.step():
+                for update in self.scheduler.iterate():
                     self._deliver(update)
         except BaseException as exc:
             log.exception("scheduler loop failed")
@@ -371,6 +381,8 @@ class Engine:
                 return False
             if kind == "add":
                 self.scheduler.add(item)
+            elif kind == "abort":
+                self.scheduler.abort(item)
 
     def _deliver(self, update: Update) -> None:
         req = update.req

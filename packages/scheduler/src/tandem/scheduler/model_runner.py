@@ -19,6 +19,7 @@ from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.models import CausalLM
 from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingBatchInfo
 from tandem.scheduler.schedule_batch import ScheduledBatch
+from tandem.scheduler.timeline import Timeline
 
 
 @dataclass
@@ -71,12 +72,14 @@ class ModelRunner:
         self.future_map = future_map
         self.stream = stream
         self.device = future_map.device
-        self.forward_steps = 0
+        self.timeline = Timeline(self.device)
 
-    def launch(self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None) -> LaunchedBatch:
-        """Enqueue the batch on the forward stream; returns without waiting."""
-        self.forward_steps += 1
-        work = self.stream.submit(self._forward_step, batch, sampling)
+    def launch(
+        self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None, new_period: bool = False
+    ) -> LaunchedBatch:
+        """Enqueue the batch on the forward stream; returns without waiting.
+        ``new_period``: the scheduler was idle before this batch (for the timeline)."""
+        work = self.stream.submit(self._timed_step, batch, sampling, new_period)
         return LaunchedBatch(batch, work, self.stream.record_event())
 
     def discard_rows(self, rows: list[int]) -> None:
@@ -95,9 +98,11 @@ class ModelRunner:
             table[self._tensor(batch.table_rows), self._tensor(batch.table_cols)] = self._tensor(
                 batch.table_slots
             ).to(table.dtype)
-        for req in batch.penalty_resets:
-            assert req.row is not None
-            self.penalties.reset_row(req.row, self._tensor(req.prompt_ids), req.params)
+        for reset in batch.penalty_resets:
+            outputs = self._tensor(reset.output_ids) if reset.output_ids else None
+            self.penalties.reset_row(
+                reset.row, self._tensor(reset.prompt_ids), reset.params, output_ids=outputs
+            )
 
     def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         input_ids = self.future_map.resolve_mixed(batch.prefill_tokens, batch.decode_rows)
@@ -116,6 +121,15 @@ class ModelRunner:
             extend_lens_cpu=list(batch.extend_lens),
         )
 
+    def _timed_step(
+        self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None, new_period: bool
+    ) -> StepResult:
+        handle = self.timeline.begin(new_period)
+        try:
+            return self._forward_step(batch, sampling)
+        finally:
+            self.timeline.end(handle)
+
     @torch.inference_mode()
     def _forward_step(
         self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None
@@ -129,7 +143,7 @@ class ModelRunner:
         last = fb.last_token_indices.index_select(0, self._tensor(batch.sample_indices))
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out = self.sampler.sample(logits, sampling, self.penalties)
-        rows = self._tensor([batch.reqs[i].row for i in batch.sample_indices])  # type: ignore[misc]
+        rows = self._tensor(batch.sample_rows)
         self.future_map.stash(rows, out.next_token_ids)
         if sampling.need_penalties:
             self.penalties.record(rows, out.next_token_ids)

@@ -40,7 +40,14 @@ class Request:
 
     ``kv_len`` counts the tokens whose K/V has been scheduled into the cache: the
     prefill advances it chunk by chunk, each decode step by one. ``pages`` are the KV
-    pages the request holds; ``row`` its row in the request pool while admitted.
+    pages the request uses (the first ``shared_pages`` of them belong to the radix
+    cache, locked through ``prefix_node``); ``row`` its row in the request pool while
+    admitted.
+
+    The host runs one step ahead of what it has processed: ``scheduled_samples``
+    counts sampling steps launched, ``output_ids`` the tokens received so far, and
+    ``in_flight`` the launched batches holding this request whose results the host has
+    not processed yet. Its row and pages are released only when ``in_flight`` is 0.
     """
 
     rid: str
@@ -59,10 +66,24 @@ class Request:
     cached_tokens: int = 0
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    scheduled_samples: int = 0
+    in_flight: int = 0
+    shared_pages: int = 0
+    prefix_node: Any = None
+    retractions: int = 0
+    retracting: bool = False
+    admit_seq: int = 0
+    fill_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.fill_ids:
+            self.fill_ids = list(self.prompt_ids)
 
     @property
     def prefill_done(self) -> bool:
-        return self.kv_len >= len(self.prompt_ids)
+        """Whether every token to prefill (the prompt, or after a retraction the
+        prompt and the outputs so far) has been scheduled."""
+        return self.kv_len >= len(self.fill_ids)
 
     @property
     def seq_len(self) -> int:
@@ -71,8 +92,9 @@ class Request:
 
     @property
     def sample_step(self) -> int:
-        """Index of the next token this request samples (keys its seeded randomness)."""
-        return len(self.output_ids)
+        """Index of the next token this request samples (keys its seeded randomness):
+        launched steps, so both loops and a retracted request agree."""
+        return self.scheduled_samples
 
     @property
     def finished(self) -> bool:

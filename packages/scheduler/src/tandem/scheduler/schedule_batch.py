@@ -11,6 +11,18 @@ from dataclasses import dataclass, field
 
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.request import Request
+from tandem.scheduler.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class PenaltyReset:
+    """A request admitted in this batch: its penalty history starts from these
+    tokens (its outputs too, when it comes back after a retraction)."""
+
+    row: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
 
 
 @dataclass
@@ -33,6 +45,10 @@ class ScheduledBatch:
             prefill chunk that does not end the prompt samples nothing).
         penalty_resets: requests admitted now whose penalty state must be reset.
         return_logits: keep the sampled rows' logits in the result (tests, tools).
+        rows: each request's row, snapshotted when the batch is built: the forward
+            may run after the host has already released a finished request.
+        finishing: requests that end with this batch without sampling (a prefill with
+            ``max_new_tokens == 0``).
     """
 
     mode: ForwardMode
@@ -47,12 +63,14 @@ class ScheduledBatch:
     table_cols: list[int] = field(default_factory=list)
     table_slots: list[int] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)
-    penalty_resets: list[Request] = field(default_factory=list)
+    penalty_resets: list[PenaltyReset] = field(default_factory=list)
     return_logits: bool = False
+    rows: list[int] = field(default_factory=list)
+    finishing: list[Request] = field(default_factory=list)
 
     @property
-    def rows(self) -> list[int]:
-        return [r.row for r in self.reqs]  # type: ignore[misc]
+    def sample_rows(self) -> list[int]:
+        return [self.rows[i] for i in self.sample_indices]
 
     @property
     def seq_lens(self) -> list[int]:

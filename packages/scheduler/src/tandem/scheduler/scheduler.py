@@ -1,18 +1,31 @@
 """The scheduler: admission, batch selection, result processing, resource release.
 
-This is the normal loop (DESIGN §4): pick a batch from host state, launch it, wait for
-its copy-done, process its results. Batches are built from host-side truth only, so
-the overlap loop can reuse ``schedule`` and ``process`` unchanged and merely reorder
-launch and wait.
+Two loops share every piece (DESIGN §4):
 
-Admission is conservative for now: a request is admitted only when the KV pages for
-its whole prompt plus ``max_new_tokens`` are available after what running requests
-may still need, so decoding never runs out of KV and nothing is ever retracted.
+* normal (``overlap=False``): schedule a batch, launch it, wait for its copy-done,
+  process its results;
+* overlap (the default): schedule batch N+1 from host state alone and launch it
+  *before* waiting for batch N, so the device always has the next batch queued.
+
+Host-side truth runs one step ahead of what has been processed: ``kv_len`` and
+``scheduled_samples`` count what was launched, ``output_ids`` what came back. Decode
+inputs never come from the host: they are resolved from the FutureMap on the forward
+stream. Three consequences are handled here, each in one place:
+
+* overshoot: a request that stops on a token is known to have finished one step
+  late; the decode launched for it meanwhile is discarded (``process``). A request
+  whose end is predictable (``max_new_tokens``) is never scheduled past it.
+* release: a row and KV pages go back only when no launched, unprocessed batch still
+  uses them (``Request.in_flight == 0``; ``_maybe_release``). Rows and pages handed to
+  a new request are then written only by later batches, after in stream order.
+* retraction: when decode runs out of KV pages, the newest requests go back to the
+  queue and later prefill their prompt plus the tokens they already produced.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -22,10 +35,11 @@ import torch
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
-from tandem.scheduler.model_runner import ModelRunner, StepResult
+from tandem.scheduler.model_runner import LaunchedBatch, ModelRunner, StepResult
+from tandem.scheduler.radix_cache import RadixCache
 from tandem.scheduler.request import FinishReason, Request
 from tandem.scheduler.sampling import SamplingBatchInfo
-from tandem.scheduler.schedule_batch import ScheduledBatch
+from tandem.scheduler.schedule_batch import PenaltyReset, ScheduledBatch
 from tandem.scheduler.stop import token_stop
 
 log = logging.getLogger(__name__)
@@ -38,9 +52,15 @@ class Counters:
     forward_steps: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0
+    overshoot_steps: int = 0
+    retracted_requests: int = 0
+    aborted_requests: int = 0
     finished_requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0
+    scheduler_s: float = 0.0
 
 
 @dataclass
@@ -53,7 +73,7 @@ class Update:
 
 
 class Scheduler:
-    """Continuous batching on the normal loop (FCFS)."""
+    """Continuous batching on the normal or the overlap loop."""
 
     def __init__(
         self,
@@ -66,71 +86,182 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.runner = runner
+        self.overlap = not config.disable_overlap_schedule
         self.req_pool: ReqToTokenPool = runner.req_pool
         self.kv_pool: PagedKVPool = runner.kv_pool
+        self.radix = (
+            None
+            if config.disable_radix_cache
+            else RadixCache(self.kv_pool.page_size, self.kv_pool.free_pages)
+        )
         self.eos_ids = frozenset(eos_ids)
         self.context_length = context_length
         self.strict_accounting = strict_accounting
         self.waiting: deque[Request] = deque()
-        self.prefilling: list[Request] = []  # admitted, prompt not fully prefilled
+        self.prefilling: list[Request] = []  # admitted, prompt not fully scheduled
         self.running: list[Request] = []  # decoding
+        self.retiring: list[Request] = []  # finished or retracting, still in flight
         self.counters = Counters()
+        self._chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else 1 << 62
+        self._previous: LaunchedBatch | None = None
+        self._pending: list[Update] = []
+        self._new_period = True
+        self._admissions = 0
         # Diagnostic hook (tests, tools): keep each sampled row's logits by request id.
         self.record_logits = False
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
-        self._chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else 1 << 62
 
     # -- intake -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(
+            self.waiting
+            or self.prefilling
+            or self.running
+            or self.retiring
+            or self._pending
+            or self._previous is not None
+        )
 
-    # -- one normal-loop step -----------------------------------------------------------------
-    def step(self) -> list[Update]:
-        """Schedule, launch, wait, process: one iteration of the normal loop."""
+    def abort(self, rid: str) -> bool:
+        """End request ``rid`` wherever it is; its resources come back once no
+        launched batch uses them. Returns whether the request was found."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._abort(req)
+                return True
+        for req in (*self.prefilling, *self.running):
+            if req.rid == rid and not req.finished:
+                self._abort(req)
+                self._leave(req)
+                self._maybe_release(req)
+                return True
+        return False
+
+    def _abort(self, req: Request) -> None:
+        req.finish = FinishReason("abort", message="aborted by the client")
+        req.stop.finish_text()
+        self.counters.aborted_requests += 1
+        self._pending.append(Update(req, [], True))
+
+    # -- one loop iteration ---------------------------------------------------------------------
+    def iterate(self) -> list[Update]:
+        """One iteration of the configured loop; returns what requests produced."""
+        start = time.perf_counter()
+        updates, self._pending = self._pending, []
         batch = self.schedule()
-        if batch is None:
-            return []
+        launched = self._launch(batch) if batch is not None else None
+        if self.overlap:
+            previous, self._previous = self._previous, launched
+        else:
+            previous = launched
+        waited = 0.0
+        if previous is not None:
+            t = time.perf_counter()
+            result = previous.wait()  # the only host wait: this batch's copy-done
+            waited = time.perf_counter() - t
+            self.runner.timeline.collect()
+            updates += self.process(previous.batch, result)
+        self.counters.scheduler_s += time.perf_counter() - start - waited
+        if not self.has_work():
+            self._new_period = True
+            if self.strict_accounting:
+                self.check_accounting()
+        return updates
+
+    def step(self) -> list[Update]:
+        """Alias of ``iterate`` (the normal loop's one step)."""
+        return self.iterate()
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedBatch:
         sampling = self._sampling_info(batch)
-        launched = self.runner.launch(batch, sampling)
-        return self.process(batch, launched.wait())
+        for req in batch.reqs:
+            req.in_flight += 1
+        self.counters.forward_steps += 1
+        launched = self.runner.launch(batch, sampling, new_period=self._new_period)
+        self._new_period = False
+        return launched
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """The next batch from host state alone: prefill first (continuing chunked
-        prompts, then admitting waiting requests FCFS), else decode."""
+        prompts, then admitting waiting requests), else decode."""
         batch = self._schedule_prefill()
         if batch is not None:
-            self.counters.prefill_steps += 1
-        elif self.running:
-            self.counters.decode_steps += 1
+            if self.config.enable_mixed_chunk and self._add_decode_rows(batch):
+                batch.mode = ForwardMode.MIXED
+                self.counters.mixed_steps += 1
+            else:
+                self.counters.prefill_steps += 1
+        else:
             batch = self._schedule_decode()
+            if batch is not None:
+                self.counters.decode_steps += 1
         if batch is not None:
             batch.return_logits = self.record_logits
         return batch
 
-    def _outstanding_pages(self) -> int:
-        """KV pages admitted requests may still need before they finish."""
-        total = 0
-        for req in (*self.prefilling, *self.running):
-            need = self.kv_pool.pages_for(self._max_kv_len(req))
-            total += max(0, need - len(req.pages))
-        return total
+    def _max_samples(self, req: Request) -> int:
+        return min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids))
 
-    def _max_kv_len(self, req: Request) -> int:
-        # The last sampled token never gets its K/V written.
-        return len(req.prompt_ids) + max(req.params.max_new_tokens - 1, 0)
+    def _decodable(self) -> list[Request]:
+        # Never schedule past a predictable end: no overshoot for length limits.
+        return [r for r in self.running if r.scheduled_samples < self._max_samples(r)]
+
+    def _available_pages(self) -> int:
+        evictable = self.radix.evictable_pages if self.radix is not None else 0
+        return self.kv_pool.available_pages + evictable
+
+    def _alloc_pages(self, count: int) -> list[int] | None:
+        if count <= 0:
+            return []
+        short = count - self.kv_pool.available_pages
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        return self.kv_pool.alloc_pages(count)
+
+    def _order_waiting(self) -> None:
+        if self.config.schedule_policy != "lpm" or self.radix is None or len(self.waiting) < 2:
+            return
+        radix = self.radix
+        scored = sorted(
+            enumerate(self.waiting),
+            key=lambda item: (-radix.match_prefix(item[1].fill_ids).num_tokens, item[0]),
+        )
+        self.waiting = deque(req for _, req in scored)
 
     def _admit(self, req: Request) -> bool:
-        need = self.kv_pool.pages_for(self._max_kv_len(req))
-        if need > self.kv_pool.available_pages - self._outstanding_pages():
-            return False
-        row = self.req_pool.alloc()
+        """Give ``req`` a row and its cached prefix, if its first chunk fits."""
+        fill = req.fill_ids
+        match = None
+        if self.radix is not None:
+            match = self.radix.match_prefix(fill, max_tokens=len(fill) - 1)
+            self.radix.lock(match.node)
+        cached = match.num_tokens if match is not None else 0
+        first = min(len(fill) - cached, self._chunk)
+        need = self.kv_pool.pages_for(cached + first) - (len(match.pages) if match else 0)
+        reserve = len(self._decodable())  # one page per decoding request, optimistically
+        row = None
+        if need + reserve <= self._available_pages():
+            row = self.req_pool.alloc()
         if row is None:
+            if match is not None:
+                self.radix.unlock(match.node)  # type: ignore[union-attr]
             return False
         req.row = row
+        if match is not None:
+            req.prefix_node = match.node
+            req.pages = list(match.pages)
+            req.shared_pages = len(match.pages)
+        req.kv_len = cached
+        if req.retractions == 0:
+            req.cached_tokens = cached
+            self.counters.cached_tokens += cached
+        self._admissions += 1
+        req.admit_seq = self._admissions
         self.prefilling.append(req)
         return True
 
@@ -141,20 +272,24 @@ class Scheduler:
         for req in list(self.prefilling):
             if budget <= 0:
                 break
-            n = min(len(req.prompt_ids) - req.kv_len, self._chunk, budget)
+            n = min(len(req.fill_ids) - req.kv_len, self._chunk, budget)
+            if not self._reserve(req, req.kv_len + n):
+                break
             chosen.append((req, n))
             budget -= n
-        room = self.config.max_running_requests - len(self.running) - len(self.prefilling)
+        self._order_waiting()
+        room = self.config.max_running_requests - self._admitted_count()
         while self.waiting and budget > 0 and room > 0:
             req = self.waiting[0]
-            remaining = len(req.prompt_ids)
-            if remaining > min(budget, self._chunk) and chosen:
-                break  # a new prompt that must be chunked starts a batch of its own
+            if len(req.fill_ids) > min(budget, self._chunk) and chosen:
+                break  # a prompt that must be chunked starts a batch of its own
             if not self._admit(req):
                 break
             self.waiting.popleft()
             admitted.append(req)
-            n = min(remaining, self._chunk, budget)
+            n = min(len(req.fill_ids) - req.kv_len, self._chunk, budget)
+            if not self._reserve(req, req.kv_len + n):
+                raise RuntimeError(f"admitted request {req.rid} has no KV for its first chunk")
             chosen.append((req, n))
             budget -= n
             room -= 1
@@ -162,55 +297,117 @@ class Scheduler:
             return None
         return self._build_prefill(chosen, admitted)
 
-    def _take_slots(self, req: Request, start: int, end: int) -> list[int]:
+    def _admitted_count(self) -> int:
+        return len(self.running) + len(self.prefilling) + len(self.retiring)
+
+    def _reserve(self, req: Request, end: int) -> bool:
+        """Make ``req`` hold pages for token positions below ``end``."""
         need = self.kv_pool.pages_for(end) - len(req.pages)
-        if need > 0:
-            pages = self.kv_pool.alloc_pages(need)
-            if pages is None:  # admission reserved these pages: reaching this is a bug
-                raise RuntimeError(f"KV pool exhausted for request {req.rid}")
-            req.pages.extend(pages)
-        return self.kv_pool.slots(req.pages, start, end)
+        if need <= 0:
+            return True
+        pages = self._alloc_pages(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
 
     def _build_prefill(
         self, chosen: list[tuple[Request, int]], admitted: list[Request]
     ) -> ScheduledBatch:
-        batch = ScheduledBatch(ForwardMode.PREFILL, [], [], [], penalty_resets=admitted)
-        for i, (req, n) in enumerate(chosen):
+        batch = ScheduledBatch(ForwardMode.PREFILL, [], [], [])
+        for req in admitted:
+            assert req.row is not None
+            outputs = list(req.output_ids)
+            batch.penalty_resets.append(PenaltyReset(req.row, req.prompt_ids, outputs, req.params))
+            if req.kv_len > 0:  # the cached prefix: the new row must point at its slots
+                batch.table_rows.extend([req.row] * req.kv_len)
+                batch.table_cols.extend(range(req.kv_len))
+                batch.table_slots.extend(self.kv_pool.slots(req.pages, 0, req.kv_len))
+        for req, n in chosen:
             start, end = req.kv_len, req.kv_len + n
-            slots = self._take_slots(req, start, end)
-            batch.reqs.append(req)
-            batch.prefix_lens.append(start)
-            batch.extend_lens.append(n)
-            batch.prefill_tokens.extend(req.prompt_ids[start:end])
+            slots = self.kv_pool.slots(req.pages, start, end)
+            index = self._append_entry(batch, req, start, n, slots)
+            batch.prefill_tokens.extend(req.fill_ids[start:end])
             batch.positions.extend(range(start, end))
-            batch.out_cache_loc.extend(slots)
-            self._table(batch, req, start, slots)
             req.kv_len = end
-            if req.prefill_done and req.params.max_new_tokens > 0:
-                batch.sample_indices.append(i)
+            if not req.prefill_done:
+                continue
+            self.prefilling.remove(req)
+            if req.retractions == 0:
+                self.counters.prompt_tokens += len(req.prompt_ids)
+            if self._max_samples(req) > req.scheduled_samples:
+                batch.sample_indices.append(index)
+                req.scheduled_samples += 1
+                self.running.append(req)  # decodable from the next batch on
+            else:
+                batch.finishing.append(req)
         return batch
 
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _append_entry(
+        self, batch: ScheduledBatch, req: Request, start: int, n: int, slots: list[int]
+    ) -> int:
+        assert req.row is not None
+        batch.reqs.append(req)
+        batch.rows.append(req.row)
+        batch.prefix_lens.append(start)
+        batch.extend_lens.append(n)
+        batch.out_cache_loc.extend(slots)
+        batch.table_rows.extend([req.row] * n)
+        batch.table_cols.extend(range(start, start + n))
+        batch.table_slots.extend(slots)
+        return len(batch.reqs) - 1
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        if not self._make_room_for_decode():
+            return None
         batch = ScheduledBatch(ForwardMode.DECODE, [], [], [])
-        for i, req in enumerate(self.running):
+        return batch if self._add_decode_rows(batch) else None
+
+    def _add_decode_rows(self, batch: ScheduledBatch) -> bool:
+        """Append every decodable request as one decode row; False if none fits."""
+        added = False
+        for req in self._decodable():
+            if req in batch.reqs or not self._reserve(req, req.kv_len + 1):
+                continue
             pos = req.kv_len
-            slots = self._take_slots(req, pos, pos + 1)
-            batch.reqs.append(req)
-            batch.prefix_lens.append(pos)
-            batch.extend_lens.append(1)
+            slots = self.kv_pool.slots(req.pages, pos, pos + 1)
+            batch.sample_indices.append(self._append_entry(batch, req, pos, 1, slots))
             batch.decode_rows.append(req.row)  # type: ignore[arg-type]
             batch.positions.append(pos)
-            batch.out_cache_loc.extend(slots)
-            self._table(batch, req, pos, slots)
-            batch.sample_indices.append(i)
             req.kv_len = pos + 1
-        return batch
+            req.scheduled_samples += 1
+            added = True
+        return added
 
-    @staticmethod
-    def _table(batch: ScheduledBatch, req: Request, start: int, slots: list[int]) -> None:
-        batch.table_rows.extend([req.row] * len(slots))  # type: ignore[list-item]
-        batch.table_cols.extend(range(start, start + len(slots)))
-        batch.table_slots.extend(slots)
+    # -- retraction ---------------------------------------------------------------------------
+    def _make_room_for_decode(self) -> bool:
+        """Retract the newest requests until every decodable one gets its next page.
+        False when pages only come back after a batch in flight is processed."""
+        while True:
+            decodable = self._decodable()
+            need = sum(1 for r in decodable if self.kv_pool.pages_for(r.kv_len + 1) > len(r.pages))
+            if need <= self._available_pages():
+                return True
+            victims = sorted((*self.running, *self.prefilling), key=lambda r: r.admit_seq)
+            if len(victims) <= 1:
+                raise RuntimeError("KV pool too small for a single request")
+            victim = victims[-1]
+            self._leave(victim)
+            victim.retracting = True
+            self.counters.retracted_requests += 1
+            if not self._maybe_release(victim):
+                return False
+
+    def _requeue(self, req: Request) -> None:
+        """A retracted request goes back to the front of the queue, to prefill its
+        prompt and the tokens it produced (its next sample continues the same
+        seeded stream, since ``scheduled_samples`` equals what was received)."""
+        req.retracting = False
+        req.retractions += 1
+        req.fill_ids = req.prompt_ids + req.output_ids
+        req.kv_len = 0
+        req.scheduled_samples = len(req.output_ids)
+        self.waiting.appendleft(req)
 
     def _sampling_info(self, batch: ScheduledBatch) -> SamplingBatchInfo | None:
         reqs = batch.sampling_reqs
@@ -218,8 +415,8 @@ class Scheduler:
             return None
         return SamplingBatchInfo.build(
             [r.params for r in reqs],
-            rows=[r.row for r in reqs],  # type: ignore[misc]
-            steps=[r.sample_step for r in reqs],
+            rows=batch.sample_rows,
+            steps=[r.scheduled_samples - 1 for r in reqs],
             return_logprob=[r.return_logprob for r in reqs],
             top_logprobs_num=[r.top_logprobs_num for r in reqs],
             device=self.runner.device,
@@ -227,31 +424,32 @@ class Scheduler:
 
     # -- results --------------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[Update]:
-        """Append the batch's tokens, detect finishes, free finished requests."""
-        self.counters.forward_steps += 1
+        """Append the batch's tokens, detect finishes, release what is done."""
         updates: list[Update] = []
         tokens = result.next_token_ids.tolist()
         for k, i in enumerate(batch.sample_indices):
             req = batch.reqs[i]
+            if req.finished:
+                self.counters.overshoot_steps += 1  # launched before its end was known
+                continue
             if result.logits is not None:
                 self.recorded_logits.setdefault(req.rid, []).append(result.logits[k])
             updates.append(self._append(req, int(tokens[k]), result, k))
+        for req in batch.finishing:
+            if not req.finished:
+                req.finish = FinishReason("length", length=len(req.output_ids))
+                req.stop.finish_text()
+                self._leave(req)
+                updates.append(Update(req, [], True))
         for req in batch.reqs:
-            if req.prefill_done and req in self.prefilling:
-                self.prefilling.remove(req)
-                self.counters.prompt_tokens += len(req.prompt_ids)
-                if req.params.max_new_tokens == 0:
-                    req.finish = FinishReason("length", length=0)
-                    updates.append(Update(req, [], True))
-                else:
-                    self.running.append(req)
-        for update in updates:
-            if update.finished:
-                self._release(update.req)
+            req.in_flight -= 1
+            self._maybe_release(req)
         return updates
 
     def _append(self, req: Request, token: int, result: StepResult, k: int) -> Update:
         req.output_ids.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
         self.counters.generated_tokens += 1
         if req.return_logprob and result.logprobs is not None:
             req.output_logprobs.append(float(result.logprobs[k]))
@@ -260,6 +458,8 @@ class Scheduler:
                 ids = result.top_logprob_ids[k, : req.top_logprobs_num].tolist()  # type: ignore[index]
                 req.output_top_logprobs.append(list(zip(values, ids, strict=True)))
         req.finish = self._finish_after(req, token)
+        if req.finish is not None:
+            self._leave(req)
         return Update(req, [token], req.finish is not None)
 
     def _finish_after(self, req: Request, token: int) -> FinishReason | None:
@@ -271,36 +471,63 @@ class Scheduler:
         matched = req.stop.feed([token])
         if matched is not None:
             return FinishReason("stop", matched=matched)
-        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= self.context_length:
+        if len(req.output_ids) >= self._max_samples(req):
             req.stop.finish_text()
             return FinishReason("length", length=len(req.output_ids))
         return None
 
-    def _release(self, req: Request) -> None:
-        """Return a finished request's row and pages. In the normal loop its last
-        forward has completed, so nothing queued still reads them."""
-        if req in self.running:
-            self.running.remove(req)
-        if req in self.prefilling:
-            self.prefilling.remove(req)
-        self.counters.finished_requests += 1
-        if req.pages:
+    def _leave(self, req: Request) -> None:
+        """Take a finished, aborted or retracted request out of scheduling; its
+        resources wait in ``retiring`` until no launched batch uses them."""
+        for pool in (self.running, self.prefilling):
+            if req in pool:
+                pool.remove(req)
+        if req not in self.retiring:
+            self.retiring.append(req)
+
+    def _maybe_release(self, req: Request) -> bool:
+        """Return a request's row and pages once nothing in flight reads them.
+        True when released (or already free)."""
+        if req not in self.retiring:
+            return True
+        if req.in_flight > 0:
+            return False
+        self.retiring.remove(req)
+        self._free(req)
+        if req.finished:
+            self.counters.finished_requests += 1
+        elif req.retracting:
+            self._requeue(req)
+        return True
+
+    def _free(self, req: Request) -> None:
+        if self.radix is not None:
+            # Everything below kv_len was computed: share it with later requests.
+            seq = (req.prompt_ids + req.output_ids)[: req.kv_len]
+            whole = len(seq) // self.kv_pool.page_size
+            self.radix.insert(seq, req.pages[:whole])
+            self.kv_pool.free_pages(req.pages[whole:])
+            if req.prefix_node is not None:
+                self.radix.unlock(req.prefix_node)
+        else:
             self.kv_pool.free_pages(req.pages)
-            req.pages = []
+        req.pages, req.shared_pages, req.prefix_node = [], 0, None
         if req.row is not None:
             self.runner.discard_rows([req.row])
             self.req_pool.free(req.row)
             req.row = None
-        if self.strict_accounting and not self.has_work():
-            self.check_accounting()
 
     def check_accounting(self) -> None:
-        """Strict accounting (DESIGN §6): when idle, every row and KV page is free."""
-        rows_free = self.req_pool.available == self.req_pool.num_rows
-        pages_free = self.kv_pool.available_pages == self.kv_pool.num_pages - 1
-        if not (rows_free and pages_free):
+        """Strict accounting (DESIGN §6): when idle, every row is free and every KV
+        page is either free or held, unlocked, by the radix cache."""
+        held_rows = self.req_pool.num_rows - self.req_pool.available
+        cached = self.radix.cached_pages if self.radix is not None else 0
+        locked = cached - (self.radix.evictable_pages if self.radix is not None else 0)
+        lost = self.kv_pool.num_pages - 1 - self.kv_pool.available_pages - cached
+        if held_rows or lost or locked:
             raise RuntimeError(
-                "memory leak at idle: "
-                f"{self.req_pool.num_rows - self.req_pool.available} rows and "
-                f"{self.kv_pool.num_pages - 1 - self.kv_pool.available_pages} KV pages held"
+                f"accounting at idle: {held_rows} rows held, {lost} KV pages neither free "
+                f"nor cached, {locked} cached pages still locked"
             )
+        if self.radix is not None:
+            self.radix.check()

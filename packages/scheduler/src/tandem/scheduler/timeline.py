@@ -1,0 +1,75 @@
+"""Busy and idle time of the forward stream, the figures that show the overlap working.
+
+``device_busy_s`` sums the time the forward stream spent running forwards.
+``device_idle_s`` sums the gaps between consecutive forwards *within a busy period*
+(requests were running, yet the stream had nothing to do): time the device waited for
+the host. A gap that starts a new busy period (the scheduler was idle) is not idle
+time in that sense and is not counted.
+
+On the CPU the forward runs on the host stream's worker thread, so the worker's own
+clock times it. On an accelerator the stream is timed with timing events, read back
+lazily once the host has waited for the batch anyway (no extra synchronisation).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class _Marks:
+    start: Any
+    end: Any
+    new_period: bool
+
+
+@dataclass
+class Timeline:
+    """Accumulates busy/idle seconds of one forward stream."""
+
+    device: torch.device
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    _last_end: Any = None
+    _pending: list[_Marks] = field(default_factory=list)
+
+    # -- called on the forward stream -----------------------------------------------
+    def begin(self, new_period: bool) -> Any:
+        """Mark a forward's start; returns the handle ``end`` takes."""
+        if self.device.type == "cpu":
+            start = time.perf_counter()
+            if self._last_end is not None and not new_period:
+                self.idle_s += start - self._last_end
+            return (start, new_period)
+        event = torch.get_device_module(self.device).Event(enable_timing=True)
+        event.record()
+        return (event, new_period)
+
+    def end(self, handle: Any) -> None:
+        start, new_period = handle
+        if self.device.type == "cpu":
+            self._last_end = time.perf_counter()
+            self.busy_s += self._last_end - start
+            return
+        event = torch.get_device_module(self.device).Event(enable_timing=True)
+        event.record()
+        self._pending.append(_Marks(start, event, new_period))
+
+    # -- called on the host, after the batch's copy-done ------------------------------
+    def collect(self) -> None:
+        """Fold in accelerator timings whose events have completed."""
+        while self._pending and self._pending[0].end.query():
+            marks = self._pending.pop(0)
+            self.busy_s += marks.start.elapsed_time(marks.end) / 1000.0
+            if self._last_end is not None and not marks.new_period:
+                self.idle_s += max(0.0, self._last_end.elapsed_time(marks.start) / 1000.0)
+            self._last_end = marks.end
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
