@@ -24,8 +24,16 @@ ROOT = Path(__file__).parent
 TORCH_CPU = "torch==2.13.0"
 PACKAGES = ("core-futuremap", "scheduler", "spec-eagle", "server")
 PACKAGE_DIRS = tuple(f"packages/{name}" for name in PACKAGES)
-# transformers is the reference implementation the engine is checked against.
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "hatchling>=1.21", "transformers>=4.56")
+# transformers is the reference implementation the engine is checked against; the
+# official openai client (over httpx) is the reference client of the server.
+TEST_DEPS = (
+    "pytest>=8",
+    "hypothesis>=6.100",
+    "hatchling>=1.21",
+    "transformers>=4.56",
+    "openai>=1.40",
+    "httpx>=0.27",
+)
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
 
 

@@ -211,7 +211,7 @@ def test_random_arrivals_and_aborts(checkpoints: dict[str, Path], seed: int) -> 
     assert overlap == normal
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(16))
 def test_race_fuzz_with_random_host_stream_delays(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
@@ -243,3 +243,36 @@ def test_abort_while_queued_and_unknown_ids(checkpoints: dict[str, Path]) -> Non
         done = list(queued)
         assert done[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
         _idle_clean(engine)
+
+
+def test_abort_by_caller_rid_ends_a_blocking_generate(checkpoints: dict[str, Path]) -> None:
+    with _engine(checkpoints["llama"], True) as engine:
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            result["out"] = engine.generate(
+                input_ids=[3, 4, 5],
+                sampling_params={**GREEDY, "max_new_tokens": 250},
+                rid="mine",
+            )
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        deadline = time.monotonic() + 30
+        while "mine" not in engine._waiters:  # queued, so the abort comes after it
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with pytest.raises(ValueError, match="'mine' is already in use"):
+            engine.generate(input_ids=[1], rid="mine")
+        engine.abort("mine")
+        worker.join(60)
+        out = result["out"]
+        assert out["meta_info"]["id"] == "mine"
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(out["output_ids"]) < 250
+        _idle_clean(engine)
+        copies = engine.generate(
+            input_ids=[[3, 4], [5]], sampling_params={**GREEDY, "max_new_tokens": 2, "n": 2},
+            rid=["a", "b"],
+        )  # fmt: skip
+        assert [c["meta_info"]["id"] for c in copies] == ["a-0", "a-1", "b-0", "b-1"]

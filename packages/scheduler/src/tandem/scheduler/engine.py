@@ -157,17 +157,20 @@ class Engine:
         stream: bool = False,
         return_logprob: bool | Sequence[bool] = False,
         top_logprobs_num: int | Sequence[int] = 0,
+        rid: str | Sequence[str] | None = None,
     ) -> Any:
         """Generate for one prompt or a batch.
 
         Returns a dict (one prompt) or a list of dicts (a batch), each with ``text``,
         ``output_ids`` and ``meta_info``; ``n > 1`` in the sampling parameters turns
-        each prompt into ``n`` results, in order. With ``stream=True`` returns an iterator of
-        incremental chunks (``text`` and ``output_ids`` hold only what is new; the
-        last chunk carries ``meta_info["finish_reason"]``); streaming takes one prompt.
+        each prompt into ``n`` results, in order. ``rid`` names the requests (one
+        id per prompt), so another thread can ``abort`` them before any output.
+        With ``stream=True`` returns an iterator of incremental chunks (``text`` and
+        ``output_ids`` hold only what is new; the last chunk carries
+        ``meta_info["finish_reason"]``); streaming takes one prompt.
         """
         single, waiters = self._submit(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid
         )
         if stream:
             return self._stream(waiters[0])
@@ -182,11 +185,12 @@ class Engine:
         stream: bool = False,
         return_logprob: bool | Sequence[bool] = False,
         top_logprobs_num: int | Sequence[int] = 0,
+        rid: str | Sequence[str] | None = None,
     ) -> Any:
         """The ``generate`` twin for asyncio: awaits the result, or with
         ``stream=True`` returns an async iterator of chunks."""
         single, waiters = self._submit(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid
         )
         if stream:
             return self._astream(waiters[0])
@@ -254,6 +258,7 @@ class Engine:
         return_logprob: bool | Sequence[bool],
         top_logprobs_num: int | Sequence[int],
         stream: bool,
+        rid: str | Sequence[str] | None = None,
     ) -> tuple[bool, list[_Waiter]]:
         """Validate every request, then queue them all; nothing is queued when any
         request is invalid."""
@@ -277,13 +282,15 @@ class Engine:
                 raise ValueError(f"top_logprobs_num must be an int in [0, {vocab}], got {top!r}")
         if stream and parsed[0].params.n > 1:
             raise ValueError("stream=True takes n=1")
+        rids = self._request_ids(rid, parsed)
         waiters = []
-        for item, want_lp, top in zip(parsed, logprob, top_n, strict=True):
-            for copy in _copies(item):
+        for item, want_lp, top, ids in zip(parsed, logprob, top_n, rids, strict=True):
+            for copy, request_id in zip(_copies(item), ids, strict=True):
                 req = self._request(
                     copy,
                     bool(want_lp or item.params.return_logprob),
                     max(top, item.params.top_logprobs_num),
+                    request_id,
                 )
                 waiter = _Waiter(req)
                 self._waiters[req.rid] = waiter
@@ -332,7 +339,27 @@ class Engine:
             )
         return _Parsed(ids, params)
 
-    def _request(self, item: _Parsed, return_logprob: bool, top_n: int) -> Request:
+    def _request_ids(
+        self, rid: str | Sequence[str] | None, parsed: list[_Parsed]
+    ) -> list[list[str]]:
+        """One id per request: the caller's (SGLang's ``rid``; with ``n > 1`` the
+        copies get ``-1``, ``-2``... suffixes) or a fresh one. Ids in use are refused."""
+        if rid is None:
+            return [[uuid.uuid4().hex for _ in range(p.params.n)] for p in parsed]
+        given = [rid] if isinstance(rid, str) else list(rid)
+        if len(given) != len(parsed) or not all(isinstance(r, str) and r for r in given):
+            raise ValueError(f"rid needs one non-empty string per prompt ({len(parsed)})")
+        out = [
+            [r] if p.params.n == 1 else [f"{r}-{i}" for i in range(p.params.n)]
+            for r, p in zip(given, parsed, strict=True)
+        ]
+        flat = [r for ids in out for r in ids]
+        clash = sorted({r for r in flat if r in self._waiters or flat.count(r) > 1})
+        if clash:
+            raise ValueError(f"rid {clash[0]!r} is already in use")
+        return out
+
+    def _request(self, item: _Parsed, return_logprob: bool, top_n: int, rid: str) -> Request:
         detok = (
             IncrementalDetokenizer(
                 self.tokenizer, item.prompt_ids, skip_special_tokens=item.params.skip_special_tokens
@@ -342,7 +369,7 @@ class Engine:
         )
         stop = StopChecker(item.params.stop_strings, detok)
         return Request(
-            rid=uuid.uuid4().hex,
+            rid=rid,
             prompt_ids=item.prompt_ids,
             params=item.params,
             stop=stop,

@@ -17,9 +17,31 @@ from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.forward_batch import ForwardBatch
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.models import CausalLM
-from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingBatchInfo
+from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingBatchInfo, SamplingParams
 from tandem.scheduler.schedule_batch import ScheduledBatch
 from tandem.scheduler.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Host-side sampling inputs of a batch's sampling rows (snapshotted at schedule
+    time); ``SamplingBatchInfo`` is built from it on the forward stream."""
+
+    params: list[SamplingParams]
+    rows: list[int]
+    steps: list[int]
+    return_logprob: list[bool]
+    top_logprobs_num: list[int]
+
+    def build(self, device: torch.device) -> SamplingBatchInfo:
+        return SamplingBatchInfo.build(
+            self.params,
+            rows=self.rows,
+            steps=self.steps,
+            device=device,
+            return_logprob=self.return_logprob,
+            top_logprobs_num=self.top_logprobs_num,
+        )
 
 
 @dataclass
@@ -75,7 +97,7 @@ class ModelRunner:
         self.timeline = Timeline(self.device)
 
     def launch(
-        self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None, new_period: bool = False
+        self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool = False
     ) -> LaunchedBatch:
         """Enqueue the batch on the forward stream; returns without waiting.
         ``new_period``: the scheduler was idle before this batch (for the timeline)."""
@@ -122,7 +144,7 @@ class ModelRunner:
         )
 
     def _timed_step(
-        self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None, new_period: bool
+        self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool
     ) -> StepResult:
         handle = self.timeline.begin(new_period)
         try:
@@ -131,21 +153,20 @@ class ModelRunner:
             self.timeline.end(handle)
 
     @torch.inference_mode()
-    def _forward_step(
-        self, batch: ScheduledBatch, sampling: SamplingBatchInfo | None
-    ) -> StepResult:
+    def _forward_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
         self._write_tables(batch)
         fb = self._forward_batch(batch)
         self.attention.plan(fb)
         hidden = self.model(fb.input_ids, fb.positions, self.attention)
         if not batch.sample_indices or sampling is None:
             return StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+        info = sampling.build(self.device)
         last = fb.last_token_indices.index_select(0, self._tensor(batch.sample_indices))
         logits = self.model.compute_logits(hidden.index_select(0, last))
-        out = self.sampler.sample(logits, sampling, self.penalties)
+        out = self.sampler.sample(logits, info, self.penalties)
         rows = self._tensor(batch.sample_rows)
         self.future_map.stash(rows, out.next_token_ids)
-        if sampling.need_penalties:
+        if info.need_penalties:
             self.penalties.record(rows, out.next_token_ids)
         return self._to_host(out, logits if batch.return_logits else None)
 

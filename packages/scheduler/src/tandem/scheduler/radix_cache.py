@@ -141,6 +141,15 @@ class RadixCache:
         self._touch(end)
         return PrefixMatch(pages=pages, num_tokens=len(pages) * self.page_size, node=end)
 
+    def prefix_length(self, tokens: Sequence[int], max_tokens: int | None = None) -> int:
+        """Tokens of ``tokens`` a ``match_prefix`` would match, without touching
+        recency or splitting anything (for ordering a queue by cached prefix)."""
+        limit = len(tokens) // self.page_size
+        if max_tokens is not None:
+            limit = min(limit, max(max_tokens, 0) // self.page_size)
+        path = self._walk(self._page_keys(tokens, limit))
+        return sum(matched for _, matched in path) * self.page_size
+
     def insert(self, tokens: Sequence[int], pages: list[int]) -> int:
         """Record that ``pages`` hold the K/V of ``tokens``; return how many pages the
         cache newly adopted (``cached_pages`` grows by exactly that).

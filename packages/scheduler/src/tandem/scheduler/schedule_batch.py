@@ -30,7 +30,7 @@ class ScheduledBatch:
     """One forward, decided on the host.
 
     Attributes:
-        mode: prefill or decode.
+        mode: prefill, decode, or mixed (a prefill with decode rows riding along).
         reqs: the requests, in batch order (prefill requests first when mixed).
         prefix_lens: per request, tokens already in the KV cache.
         extend_lens: per request, tokens new in this forward.
@@ -45,8 +45,9 @@ class ScheduledBatch:
             prefill chunk that does not end the prompt samples nothing).
         penalty_resets: requests admitted now whose penalty state must be reset.
         return_logits: keep the sampled rows' logits in the result (tests, tools).
-        rows: each request's row, snapshotted when the batch is built: the forward
-            may run after the host has already released a finished request.
+        rows: each request's row, snapshotted when the batch is built, so the
+            forward reads host data frozen at schedule time, never live request state
+            the host keeps changing while the batch waits on the forward stream.
         finishing: requests that end with this batch without sampling (a prefill with
             ``max_new_tokens == 0``).
     """

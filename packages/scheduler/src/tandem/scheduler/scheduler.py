@@ -35,10 +35,9 @@ import torch
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
-from tandem.scheduler.model_runner import LaunchedBatch, ModelRunner, StepResult
+from tandem.scheduler.model_runner import LaunchedBatch, ModelRunner, SamplingSpec, StepResult
 from tandem.scheduler.radix_cache import RadixCache
 from tandem.scheduler.request import FinishReason, Request
-from tandem.scheduler.sampling import SamplingBatchInfo
 from tandem.scheduler.schedule_batch import PenaltyReset, ScheduledBatch
 from tandem.scheduler.stop import token_stop
 
@@ -132,9 +131,11 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 self._abort(req)
+                self.counters.finished_requests += 1  # nothing to release
                 return True
-        for req in (*self.prefilling, *self.running):
+        for req in (*self.prefilling, *self.running, *self.retiring):
             if req.rid == rid and not req.finished:
+                req.retracting = False  # an aborted request is not requeued
                 self._abort(req)
                 self._leave(req)
                 self._maybe_release(req)
@@ -177,7 +178,7 @@ class Scheduler:
         return self.iterate()
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedBatch:
-        sampling = self._sampling_info(batch)
+        sampling = self._sampling_spec(batch)
         for req in batch.reqs:
             req.in_flight += 1
         self.counters.forward_steps += 1
@@ -229,7 +230,10 @@ class Scheduler:
         radix = self.radix
         scored = sorted(
             enumerate(self.waiting),
-            key=lambda item: (-radix.match_prefix(item[1].fill_ids).num_tokens, item[0]),
+            key=lambda item: (
+                -radix.prefix_length(item[1].fill_ids, len(item[1].fill_ids) - 1),
+                item[0],
+            ),
         )
         self.waiting = deque(req for _, req in scored)
 
@@ -390,6 +394,8 @@ class Scheduler:
                 return True
             victims = sorted((*self.running, *self.prefilling), key=lambda r: r.admit_seq)
             if len(victims) <= 1:
+                if self.retiring:
+                    return False  # finished requests' pages come back after processing
                 raise RuntimeError("KV pool too small for a single request")
             victim = victims[-1]
             self._leave(victim)
@@ -409,17 +415,18 @@ class Scheduler:
         req.scheduled_samples = len(req.output_ids)
         self.waiting.appendleft(req)
 
-    def _sampling_info(self, batch: ScheduledBatch) -> SamplingBatchInfo | None:
+    def _sampling_spec(self, batch: ScheduledBatch) -> SamplingSpec | None:
+        """Host data for the batch's sampling tensors; the model runner turns it into
+        device tensors on the forward stream, like every other input of the batch."""
         reqs = batch.sampling_reqs
         if not reqs:
             return None
-        return SamplingBatchInfo.build(
-            [r.params for r in reqs],
+        return SamplingSpec(
+            params=[r.params for r in reqs],
             rows=batch.sample_rows,
             steps=[r.scheduled_samples - 1 for r in reqs],
             return_logprob=[r.return_logprob for r in reqs],
             top_logprobs_num=[r.top_logprobs_num for r in reqs],
-            device=self.runner.device,
         )
 
     # -- results --------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ class Timeline:
     device: torch.device
     busy_s: float = 0.0
     idle_s: float = 0.0
-    _last_end: Any = None
-    _pending: list[_Marks] = field(default_factory=list)
+    _last_end: Any = field(default=None, init=False, repr=False)
+    _pending: list[_Marks] = field(default_factory=list, init=False, repr=False)
 
     # -- called on the forward stream -----------------------------------------------
     def begin(self, new_period: bool) -> Any:
@@ -50,6 +50,7 @@ class Timeline:
         return (event, new_period)
 
     def end(self, handle: Any) -> None:
+        """Mark the end of the forward ``begin`` returned ``handle`` for."""
         start, new_period = handle
         if self.device.type == "cpu":
             self._last_end = time.perf_counter()

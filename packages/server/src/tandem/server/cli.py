@@ -1,0 +1,151 @@
+"""The ``tandem`` command: ``tandem serve`` and ``tandem generate``.
+
+``serve`` exposes every ``EngineConfig`` field as a ``--kebab-case`` flag, generated
+from the dataclass, with its help taken from the dataclass docstring, so a new engine
+option is a server flag the day it lands and the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.scheduler import config as engine_config
+from tandem.scheduler.config import EngineConfig
+
+_CHOICES = {
+    "dtype": engine_config.DTYPES,
+    "load_format": engine_config.LOAD_FORMATS,
+    "schedule_policy": engine_config.SCHEDULE_POLICIES,
+}
+
+
+def _field_docs() -> dict[str, str]:
+    """``name: text`` entries of the docstring's Attributes section."""
+    doc = EngineConfig.__doc__ or ""
+    docs: dict[str, str] = {}
+    current = None
+    for line in doc.split("Attributes:", 1)[-1].splitlines():
+        match = re.match(r"^\s{8}(\w+): (.*)$", line)
+        if match:
+            current = match.group(1)
+            docs[current] = match.group(2).strip()
+        elif current and line.strip():
+            docs[current] += " " + line.strip()
+    return {k: v.replace("``", "") for k, v in docs.items()}
+
+
+def _base_type(hint: Any) -> type:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]  # type: ignore[no-any-return]
+    return hint  # type: ignore[no-any-return]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field."""
+    hints = typing.get_type_hints(EngineConfig)
+    docs = _field_docs()
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        base = _base_type(hints[f.name])
+        help_text = docs.get(f.name, f.name).replace("%", "%%")
+        if base is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            continue
+        help_text += f" (default: {f.default})"
+        group.add_argument(
+            flag, dest=f.name, type=base, default=f.default, metavar=f.name.upper(),
+            choices=_CHOICES.get(f.name), help=help_text,
+        )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serve a model over the OpenAI-compatible HTTP API.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=30000, help="port to listen on")
+    serve.add_argument(
+        "--served-model-name", help="the model name clients see (default: the folder name)"
+    )
+    serve.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error")
+    )
+    add_engine_flags(serve)
+    sub.add_parser(
+        "generate",
+        help="one-off offline generation (see `tandem generate --help`)",
+        add_help=False,
+    )
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+
+
+def _check(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
+    """Exit (status 2) with a message naming the flag of an invalid value."""
+    try:
+        EngineConfig.from_options(kwargs).validate()
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        name = next((n for n in kwargs if re.match(rf"^{n}\b", message)), None)
+        flag = "--" + name.replace("_", "-") if name else "an option"
+        parser.error(f"argument {flag}: {message}")
+    if kwargs.get("model_path"):
+        from pathlib import Path
+
+        if not (Path(kwargs["model_path"]) / "config.json").exists():
+            parser.error(f"argument --model-path: no config.json in {kwargs['model_path']}")
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import uvicorn
+
+    from tandem.server.app import create_app
+
+    kwargs = engine_kwargs(args)
+    _check(parser, kwargs)
+    if not 0 < args.port < 65536:
+        parser.error(f"argument --port: {args.port} is not a TCP port")
+    app = create_app(kwargs, args.served_model_name)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=3,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "generate":
+        from tandem.scheduler import cli as offline
+
+        return offline.main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    return serve(args, serve_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

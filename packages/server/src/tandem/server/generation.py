@@ -1,0 +1,213 @@
+"""Running a request's jobs against the scheduler: merging choices, watching the client.
+
+Choices of one request (``n`` and several prompts) run concurrently and their chunks
+are merged in arrival order. Leaving the merged iterator early cancels every job, which
+aborts them in the scheduler, so a client that went away frees its KV at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from tandem.server.errors import APIError
+from tandem.server.metrics import Metrics
+from tandem.server.parsing import Job
+from tandem.server.scheduler_client import RequestFailed, SchedulerClient, SchedulerUnavailable
+
+_DONE = object()
+
+
+@dataclass
+class Event:
+    """One chunk of one choice."""
+
+    index: int
+    text: str
+    ids: list[int]
+    logprobs: list[list[Any]]
+    top_logprobs: list[list[list[Any]]]
+    meta: dict[str, Any]
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self.meta.get("finish_reason")
+        if reason is None:
+            return None
+        return "length" if reason.get("type") == "length" else "stop"
+
+
+@dataclass
+class Choice:
+    """A finished choice, accumulated from its events."""
+
+    index: int
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[list[Any]] = field(default_factory=list)
+    top_logprobs: list[list[list[Any]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, event: Event) -> None:
+        self.text += event.text
+        self.ids.extend(event.ids)
+        self.logprobs.extend(event.logprobs)
+        self.top_logprobs.extend(event.top_logprobs)
+        self.meta = event.meta
+        self.finish_reason = event.finish_reason
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SchedulerUnavailable):
+        return APIError(str(exc), status=503)
+    if isinstance(exc, RequestFailed):
+        return APIError(str(exc), status=400 if exc.invalid else 500)
+    return APIError(f"generation failed: {exc}", status=500)
+
+
+async def run_jobs(
+    client: SchedulerClient, metrics: Metrics, jobs: list[Job], rid: str | None = None
+) -> AsyncIterator[Event]:
+    """Merged events of all jobs; raises the first job's failure."""
+    if not client.alive:
+        raise SchedulerUnavailable("the scheduler process is not running")
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def one(job: Job) -> None:
+        start = last = time.perf_counter()
+        first = True
+        try:
+            job_rid = rid if rid is not None and len(jobs) == 1 else None
+            stream = client.generate(
+                job.prompt_ids, job.params, job.return_logprob, job.top_logprobs_num, job_rid
+            )
+            async with contextlib.aclosing(stream) as chunks:
+                async for msg in chunks:
+                    now = time.perf_counter()
+                    if msg["ids"]:
+                        (metrics.ttft if first else metrics.itl).observe(now - last)
+                        first, last = False, now
+                    await queue.put((job.index, msg))
+            metrics.e2e.observe(time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((job.index, exc))
+        finally:
+            await queue.put((job.index, _DONE))
+
+    metrics.inflight.inc()
+    tasks = [asyncio.create_task(one(job)) for job in jobs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield Event(
+                    index,
+                    item["text"],
+                    item["ids"],
+                    item.get("logprobs") or [],
+                    item.get("top_logprobs") or [],
+                    item["meta"],
+                )
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        metrics.inflight.dec()
+
+
+async def collect(
+    client: SchedulerClient,
+    metrics: Metrics,
+    jobs: list[Job],
+    request: Request,
+    rid: str | None = None,
+) -> list[Choice]:
+    """Run to completion, aborting everything if the client disconnects meanwhile."""
+    choices = {job.index: Choice(job.index) for job in jobs}
+
+    async def gather() -> None:
+        async with contextlib.aclosing(run_jobs(client, metrics, jobs, rid)) as events:
+            async for event in events:
+                choices[event.index].add(event)
+
+    task = asyncio.create_task(gather())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                break
+        try:
+            await task
+        except asyncio.CancelledError:
+            raise APIError("the client disconnected", status=499) from None
+        except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status
+            raise as_api_error(exc) from None
+    finally:
+        if not task.done():
+            task.cancel()
+    return [choices[i] for i in sorted(choices)]
+
+
+async def first_then_rest(
+    events: AsyncIterator[Event],
+) -> tuple[Event | None, AsyncIterator[Event]]:
+    """Wait for the first event before answering 200, so that a request the scheduler
+    rejects still gets a proper 4xx instead of a broken stream."""
+    try:
+        first = await anext(events)
+    except StopAsyncIteration:
+        return None, events
+    except Exception as exc:  # noqa: BLE001
+        await events.aclose()  # type: ignore[attr-defined]
+        raise as_api_error(exc) from None
+    return first, events
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, source: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Relay ``source`` until the client goes away, then close it (which aborts its jobs).
+
+    uvicorn silently drops writes to a closed connection, and Starlette only listens for
+    the disconnect on older ASGI versions, so a stream must watch for it itself.
+    """
+    gone = asyncio.create_task(_wait_disconnect(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(source))
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await step
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        await source.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,35 @@
+"""The messages between the API process and the scheduler process.
+
+Both sides speak msgpack over two ZMQ PUSH/PULL pipes. The API process binds both
+(it outlives the scheduler), the scheduler connects. Keeping the encoding in one
+place means the two processes cannot drift apart on framing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+# API -> scheduler
+ADD = "add"  # rid, input_ids, params, return_logprob, top_logprobs_num
+ABORT = "abort"  # rid
+STOP = "stop"
+
+# scheduler -> API
+READY = "ready"  # info
+FATAL = "fatal"  # message (the engine could not start)
+CHUNK = "chunk"  # rid, ids, text, meta, logprobs, top_logprobs
+ERROR = "error"  # rid, message, invalid (True: the request was bad, not the engine)
+INFO = "info"  # info: get_server_info() figures for /metrics
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    value = msgpack.unpackb(data, raw=False)
+    if not isinstance(value, dict):
+        raise ValueError("a message must be a map")
+    return value

@@ -1,0 +1,199 @@
+"""The OpenAI-compatible API, driven by the official ``openai`` client against a live
+``tandem serve`` (the embedded default model on the CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_process import LiveServer, live_server, metric
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with live_server(tmp_path_factory.mktemp("cache")) as live:
+        yield live
+
+
+@pytest.fixture
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_models_and_health(server: LiveServer, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == ["default-model-v1"]
+
+
+def test_completion_and_chat(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None
+    assert out.usage.completion_tokens == 8
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.logprobs is not None
+    assert choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == 6
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+
+
+def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="m", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 24
+    messages = [{"role": "user", "content": "tell me"}]
+    chat = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=16, temperature=0
+    )
+    streamed = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    parts = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(parts) == chat.choices[0].message.content
+
+
+def test_n_and_seeded_sampling(client: openai.OpenAI) -> None:
+    args = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    a = client.completions.create(n=3, **args)
+    b = client.completions.create(n=3, **args)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+
+
+def test_stop_penalties_and_ignore_eos(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=10, temperature=0, frequency_penalty=1.0,
+        presence_penalty=0.5, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.usage is not None
+    assert out.usage.completion_tokens == 10
+    full = client.completions.create(model="m", prompt=PROMPT, max_tokens=20, temperature=0)
+    text = full.choices[0].text
+    stop = text[3:5]
+    cut = client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "word " * 3000, "max_tokens": 1}, "prompt"),
+        ({"prompt": [1, 2, 10**9]}, "prompt"),
+    ],
+)
+def test_bad_completions_get_400(server: LiveServer, body: dict[str, object], param: str) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+
+
+def test_bad_json_and_openai_client_error(server: LiveServer, client: openai.OpenAI) -> None:
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=b"{nope", timeout=10)
+    assert response.status_code == 400
+    assert "error" in response.json()
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[], max_tokens=2)
+
+
+def test_native_generate(server: LiveServer) -> None:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    out = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()
+    assert len(out["output_ids"]) == 5
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    with httpx.stream(
+        "POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=30
+    ) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+
+
+def _wait_idle(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (
+            metric(url, "tandem_num_running_requests") == 0
+            and metric(url, "tandem_kv_used_tokens") == 0
+            and metric(url, "tandem_inflight_requests") == 0
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError("resources did not come back")
+
+
+def test_disconnect_frees_resources(server: LiveServer) -> None:
+    aborted = metric(server.url, "tandem_aborted_requests_total")
+    body = {
+        "model": "m", "prompt": PROMPT, "max_tokens": 1500, "stream": True,
+        "ignore_eos": True, "temperature": 0,
+    }  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break
+    _wait_idle(server.url)
+    assert metric(server.url, "tandem_aborted_requests_total") > aborted
+    # A non-streaming request that times out on the client side is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    _wait_idle(server.url)
+
+
+def test_64_concurrent_streams(server: LiveServer) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+    async def one(i: int) -> str:
+        stream = await client.completions.create(
+            model="m", prompt=f"{PROMPT} {i}", max_tokens=16, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        finish = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        assert finish == "length"
+        return str(i)
+
+    async def main() -> list[str]:
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), 120)
+        finally:
+            await client.close()
+
+    assert len(asyncio.run(main())) == 64
+    _wait_idle(server.url)
+    assert metric(server.url, "tandem_time_to_first_token_seconds_count") >= 64
