@@ -120,3 +120,10 @@ def demo(session: nox.Session) -> None:
     _install_cpu_stack(session)
     args = session.posargs or ["--prompt", "Once upon a time", "--max-new-tokens", "32"]
     session.run("python", "-m", "tandem.scheduler", "--device", "cpu", *args)
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    """Serve the embedded default model (or --model-path after --) on 127.0.0.1:30000."""
+    _install_cpu_stack(session)
+    session.run("tandem", "serve", "--device", "cpu", *session.posargs)

@@ -128,6 +128,11 @@ def test_bad_json_and_openai_client_error(server: LiveServer, client: openai.Ope
     assert "error" in response.json()
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[], max_tokens=2)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [image]}], "max_tokens": 2}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages"
 
 
 def test_native_generate(server: LiveServer) -> None:

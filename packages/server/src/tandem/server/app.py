@@ -197,7 +197,9 @@ def _chat_prompt(st: ServerState, body: dict[str, Any]) -> list[int]:
             parts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    raise APIError(f"messages[{i}]: only text content is supported", "messages")
+                    raise APIError(
+                        f"messages[{i}]: only text content is supported", param="messages"
+                    )
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
         elif content is not None and not isinstance(content, str):
