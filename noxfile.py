@@ -33,6 +33,7 @@ TEST_DEPS = (
     "transformers>=4.56",
     "openai>=1.40",
     "httpx>=0.27",
+    "schemathesis>=4.32",
 )
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
 
@@ -124,6 +125,6 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def serve(session: nox.Session) -> None:
-    """Serve the embedded default model (or --model-path after --) on 127.0.0.1:30000."""
+    """The main job: serve the embedded default model (or args after --) on :30000."""
     _install_cpu_stack(session)
     session.run("tandem", "serve", "--device", "cpu", *session.posargs)

@@ -16,6 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server, metric
 
+from tandem.scheduler.tokenizer import Tokenizer
+
 PROMPT = "Once upon a time"
 
 
@@ -140,6 +142,10 @@ def test_native_generate(server: LiveServer) -> None:
     out = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()
     assert len(out["output_ids"]) == 5
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+    # the API process decodes the ids itself: its text is the tokenizer's decode
+    info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()
+    tokenizer = Tokenizer.from_pretrained(info["model_path"])
+    assert out["text"] == tokenizer.decode(out["output_ids"])
     with httpx.stream(
         "POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=30
     ) as r:

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.scheduler.tokenizer import Tokenizer
-from tandem.server import parsing
+from tandem.server import openapi_schemas, parsing
 from tandem.server.errors import APIError, error_body, install_handlers
 from tandem.server.generation import (
     Choice,
@@ -80,7 +80,7 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
     def state() -> ServerState:
         return holder["state"]
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=openapi_schemas.UNAVAILABLE)
     async def health() -> Response:
         if "state" not in holder or not client.alive:
             return JSONResponse(error_body("the scheduler is not running", 503), 503)
@@ -110,7 +110,10 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
     async def metrics() -> Response:
         return Response(state().metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=openapi_schemas.json_body(openapi_schemas.COMPLETION_REQUEST),
+    )
     async def completions(request: Request) -> Response:
         st = state()
         body = parsing.ensure_object(await _json(request))
@@ -128,7 +131,10 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
         )  # fmt: skip
         return await _respond(st, request, body, jobs, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=openapi_schemas.json_body(openapi_schemas.CHAT_COMPLETION_REQUEST),
+    )
     async def chat_completions(request: Request) -> Response:
         st = state()
         body = parsing.ensure_object(await _json(request))
@@ -144,7 +150,9 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
         jobs = parsing.expand([ids], params, n, st.limits, want, top)
         return await _respond(st, request, body, jobs, chat=True)
 
-    @app.post("/generate")
+    @app.post(
+        "/generate", openapi_extra=openapi_schemas.json_body(openapi_schemas.GENERATE_REQUEST)
+    )
     async def generate(request: Request) -> Response:
         st = state()
         body = parsing.ensure_object(await _json(request))

@@ -16,6 +16,10 @@ from typing import Any
 
 from fastapi import Request
 
+from tandem.scheduler.detokenizer import IncrementalDetokenizer
+from tandem.scheduler.sampling import SamplingParams
+from tandem.scheduler.stop import StopChecker
+from tandem.scheduler.tokenizer import Tokenizer
 from tandem.server.errors import APIError
 from tandem.server.metrics import Metrics
 from tandem.server.parsing import Job
@@ -64,6 +68,38 @@ class Choice:
         self.finish_reason = event.finish_reason
 
 
+class TextStream:
+    """One choice's text, decoded in the API process (DESIGN §9): the scheduler sends
+    token ids, and this incremental detokenizer turns them into text that never splits
+    a UTF-8 character. Stop strings are cut exactly where the scheduler cut them (the
+    same tokenizer over the same ids finds the same match), and a tail that could still
+    become a stop string is held back until it cannot."""
+
+    def __init__(self, tokenizer: Tokenizer | None, job: Job) -> None:
+        params = SamplingParams.from_dict(job.params)
+        detok = (
+            IncrementalDetokenizer(
+                tokenizer, job.prompt_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            if tokenizer is not None
+            else None
+        )
+        self.checker = StopChecker(params.stop_strings, detok)
+
+    def step(self, ids: list[int], finish: dict[str, Any] | None) -> str:
+        """The new text for ``ids``; ``finish`` is the chunk's finish reason."""
+        checker = self.checker
+        if finish is None:
+            checker.feed(ids)
+        elif finish.get("type") == "stop" and isinstance(finish.get("matched"), int):
+            checker.feed(ids[:-1])  # the stop token itself is not text
+            checker.finish_text()
+        else:
+            checker.feed(ids)
+            checker.finish_text()
+        return checker.take_new_text(final=finish is not None)
+
+
 def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -85,6 +121,7 @@ async def run_jobs(
     async def one(job: Job) -> None:
         start = last = time.perf_counter()
         first = True
+        text = TextStream(client.tokenizer, job)
         try:
             job_rid = rid if rid is not None and len(jobs) == 1 else None
             stream = client.generate(
@@ -96,6 +133,8 @@ async def run_jobs(
                     if msg["ids"]:
                         (metrics.ttft if first else metrics.itl).observe(now - last)
                         first, last = False, now
+                    finish = msg["meta"].get("finish_reason")
+                    msg = {**msg, "text": text.step(list(msg["ids"]), finish)}
                     await queue.put((job.index, msg))
             metrics.e2e.observe(time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer

@@ -18,6 +18,9 @@ from tandem.server.errors import APIError
 _PUBLIC = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs"}
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# Integers travel to the scheduler as msgpack and land in int64 tensors: wider ones are a 400
+# here, not a failure in the scheduler (a 500).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -134,6 +137,10 @@ def validate(params: dict[str, Any], prompt_len: int, limits: Limits) -> dict[st
         param = _PUBLIC.get(field, field) if field.isidentifier() else None
         code = "context_length_exceeded" if "context length" in message else None
         raise APIError(message, param=param, code=code) from None
+    for name in ("top_k", "seed"):
+        value = getattr(sp, name)
+        if value is not None and not INT64_MIN <= value <= INT64_MAX:
+            raise APIError(f"{name} must fit in 64 bits, got {value}", param=name)
     return sp.to_dict()
 
 
@@ -156,6 +163,8 @@ def expand(
             room = limits.context_length - len(ids)
             per["max_new_tokens"] = room if default_max is None else min(default_max, room)
         checked = validate(per, len(ids), limits)
+        if checked.get("seed") is not None and checked["seed"] + n - 1 > INT64_MAX:
+            raise APIError(f"seed + n - 1 must fit in 64 bits, got {checked['seed']}", param="seed")
         for i in range(n):
             copy = dict(checked, n=1)
             if copy.get("seed") is not None:

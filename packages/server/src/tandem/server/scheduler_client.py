@@ -18,11 +18,13 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from tandem.scheduler.tokenizer import Tokenizer
 from tandem.server import protocol, scheduler_process
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,9 @@ class SchedulerClient:
         self.engine_kwargs = engine_kwargs
         self.startup_timeout_s = startup_timeout_s
         self.info: dict[str, Any] = {}
+        # The API process's own tokenizer: it turns the token ids the scheduler sends
+        # into the streamed text (loaded once the engine reports its model path).
+        self.tokenizer: Tokenizer | None = None
         self.alive = False
         self._open: dict[str, _Open] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -97,6 +102,9 @@ class SchedulerClient:
                 if msg["type"] == protocol.READY:
                     self.info = msg["info"]
                     break
+        path = Path(self.engine_kwargs.get("tokenizer_path") or self.info["model_path"])
+        if (path / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer.from_pretrained(path)
         self.alive = True
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
