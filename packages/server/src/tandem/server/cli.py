@@ -69,7 +69,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving engine")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     serve = sub.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="one-off offline generation (see `tandem generate --help`)",
         add_help=False,
+    )
+    from tandem.server import bench
+
+    bench.build_parser(
+        sub.add_parser(
+            "bench",
+            help="offline, in-process benchmark",
+            description="Offline, in-process benchmark of the engine.",
+        )
     )
     return parser
 
@@ -143,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return offline.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from tandem.server import bench
+
+        bench_parser = parser._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+        return bench.run(args, bench_parser)
     serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     return serve(args, serve_parser)
 

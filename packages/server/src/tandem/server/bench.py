@@ -1,0 +1,398 @@
+"""``tandem bench``: an offline, in-process benchmark of the engine.
+
+Builds a workload (random, shared-prefix or ShareGPT), submits every request at once to
+an in-process ``Engine`` (greedy, ``ignore_eos``, a fixed ``max_new_tokens`` per request)
+and measures each request's time to first token and inter-token latencies from the
+arrival times of its streamed chunks. ``--compare-overlap`` runs the normal and the
+overlap loop in one process, alternating; ``--compare-transformers`` runs the same
+workload through Hugging Face ``transformers``' batched ``generate`` as the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("random", "shared-prefix", "sharegpt")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def total_input_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
+    parser.add_argument("--model-path", help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="random")
+    parser.add_argument("--dataset-path", help="ShareGPT-format JSON (for --workload sharegpt)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    parser.add_argument("--random-input-len", type=int, default=256, help="(default: 256)")
+    parser.add_argument("--random-output-len", type=int, default=128, help="(default: 128)")
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly in [len * ratio, len] (default: 0.0)",
+    )
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=128,
+        help="common prefix of every prompt, for --workload shared-prefix (default: 128)",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="workload seed (default: 1)")
+    parser.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="run the normal and the overlap loop in one process, alternating",
+    )
+    parser.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="also run the workload through Hugging Face transformers' batched generate",
+    )
+    parser.add_argument("--output-json", help="write the figures to this file")
+    return parser
+
+
+# -- workloads ------------------------------------------------------------------------------------
+def _lens(rng: random.Random, length: int, ratio: float, n: int) -> list[int]:
+    low = max(1, int(length * ratio))
+    high = max(low, length)
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+def _random_ids(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def build_workload(args: argparse.Namespace, vocab: int, tokenizer: Any, context: int) -> Workload:
+    rng = random.Random(args.seed)
+    n = args.num_prompts
+    if args.workload == "sharegpt":
+        return _sharegpt(args, tokenizer, context)
+    in_lens = _lens(rng, args.random_input_len, args.random_range_ratio, n)
+    out_lens = _lens(rng, args.random_output_len, args.random_range_ratio, n)
+    prefix: list[int] = []
+    if args.workload == "shared-prefix":
+        prefix = _random_ids(rng, vocab, args.shared_prefix_len)
+    prompts = [prefix + _random_ids(rng, vocab, k) for k in in_lens]
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + out_lens[i] > context:
+            raise ValueError(
+                f"prompt {len(prompt)} + output {out_lens[i]} tokens exceed the "
+                f"context length ({context})"
+            )
+    return Workload(prompts, out_lens)
+
+
+def _sharegpt(args: argparse.Namespace, tokenizer: Any, context: int) -> Workload:
+    if not args.dataset_path:
+        raise ValueError("--workload sharegpt needs --dataset-path")
+    if tokenizer is None:
+        raise ValueError("--workload sharegpt needs a checkpoint with a tokenizer.json")
+    data = json.loads(Path(args.dataset_path).read_text())
+    rng = random.Random(args.seed)
+    rng.shuffle(data)
+    prompts, out_lens = [], []
+    for item in data:
+        turns = item.get("conversations") or []
+        human = next((t["value"] for t in turns if t.get("from") == "human"), None)
+        gpt = next((t["value"] for t in turns if t.get("from") == "gpt"), None)
+        if human is None or gpt is None:
+            continue
+        prompt = _encode(tokenizer, human)
+        out_len = len(_encode(tokenizer, gpt))
+        if not prompt or out_len < 1 or len(prompt) + out_len > context:
+            continue
+        prompts.append(prompt)
+        out_lens.append(out_len)
+        if len(prompts) == args.num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"no usable conversation in {args.dataset_path}")
+    return Workload(prompts, out_lens)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids without special tokens, from tandem's or the ``tokenizers`` tokenizer."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return list(getattr(ids, "ids", ids))
+
+
+# -- measurement ----------------------------------------------------------------------------------
+def _percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    import numpy as np
+
+    arr = np.asarray(values, dtype=float) * 1000.0
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+    }
+
+
+def _latency_fields(name: str, values: Sequence[float] | None) -> dict[str, float | None]:
+    stats = _percentiles(values or [])
+    return {f"{stat}_{name}_ms": value for stat, value in stats.items()}
+
+
+def _progress(total: int, desc: str) -> Any:
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req")
+
+
+def run_engine(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
+    """Submit every request at once, each streamed on its own thread."""
+    n = len(workload.prompts)
+    starts = [0.0] * n
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+    bar = _progress(n, desc)
+    lock = threading.Lock()
+    before = engine.get_server_info()
+
+    def one(i: int) -> None:
+        params = {"max_new_tokens": workload.output_lens[i], "temperature": 0, "ignore_eos": True}
+        try:
+            starts[i] = time.perf_counter()
+            for chunk in engine.generate(
+                input_ids=workload.prompts[i], sampling_params=params, stream=True
+            ):
+                arrivals[i].append((time.perf_counter(), len(chunk["output_ids"])))
+        except BaseException as exc:  # noqa: BLE001 - reported after the join
+            errors.append(exc)
+        if bar is not None:
+            with lock:
+                bar.update(1)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    if errors:
+        raise RuntimeError("a benchmark request failed") from errors[0]
+    after = engine.get_server_info()
+
+    ttfts, itls, tpots, out_tokens = [], [], [], []
+    for i in range(n):
+        chunks = [(t, k) for t, k in arrivals[i] if k > 0]
+        tokens = sum(k for _, k in chunks)
+        out_tokens.append(tokens)
+        if not chunks:
+            continue
+        ttfts.append(chunks[0][0] - starts[i])
+        for (prev, _), (now, k) in itertools.pairwise(chunks):
+            itls.extend([(now - prev) / k] * k)
+        if tokens > 1:
+            tpots.append((chunks[-1][0] - chunks[0][0]) / (tokens - 1))
+    busy = after["device_busy_s"] - before["device_busy_s"]
+    idle = after["device_idle_s"] - before["device_idle_s"]
+    return _result(
+        workload,
+        duration,
+        out_tokens,
+        ttfts,
+        itls,
+        tpots,
+        idle / (busy + idle) if busy + idle > 0 else 0.0,
+        after["overshoot_steps"] - before["overshoot_steps"],
+    )
+
+
+def _result(
+    workload: Workload,
+    duration: float,
+    out_tokens: list[int],
+    ttfts: list[float] | None,
+    itls: list[float] | None,
+    tpots: list[float],
+    idle_fraction: float | None,
+    overshoot: int | None,
+) -> dict[str, Any]:
+    total_out = sum(out_tokens)
+    return {
+        "num_requests": len(workload.prompts),
+        "duration_s": duration,
+        "total_input_tokens": workload.total_input_tokens,
+        "total_output_tokens": total_out,
+        "output_lens": out_tokens,
+        "request_throughput": len(workload.prompts) / duration,
+        "input_throughput": workload.total_input_tokens / duration,
+        "output_throughput": total_out / duration,
+        **_latency_fields("ttft", ttfts),
+        **_latency_fields("itl", itls),
+        **_latency_fields("tpot", tpots),
+        "device_idle_fraction": idle_fraction,
+        "overshoot_steps": overshoot,
+    }
+
+
+def run_transformers(path: Path, device: Any, dtype: Any, workload: Workload) -> dict[str, Any]:
+    """One left-padded, greedy batch of the whole workload; every row decodes the
+    longest requested length and each request counts its own requested tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    pad = model.config.pad_token_id
+    if pad is None:
+        eos = model.config.eos_token_id
+        pad = (eos[0] if isinstance(eos, list) else eos) or 0
+    width = max(len(p) for p in workload.prompts)
+    ids = torch.full((len(workload.prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(workload.prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    new = max(workload.output_lens)
+    kwargs = {
+        "max_new_tokens": new,
+        "min_new_tokens": new,
+        "do_sample": False,
+        "pad_token_id": pad,
+    }
+    with torch.inference_mode():
+        warm = {**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+        model.generate(input_ids=ids[:1], attention_mask=mask[:1], **warm)
+        _sync(device)
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        _sync(device)
+        duration = time.perf_counter() - start
+    generated = out.shape[1] - width
+    out_tokens = [min(k, generated) for k in workload.output_lens]
+    tpot = duration / max(1, new)
+    del model
+    return _result(workload, duration, out_tokens, None, None, [tpot], None, None)
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- report ---------------------------------------------------------------------------------------
+_ROWS = (
+    ("output_throughput", "output tok/s", "{:.1f}"),
+    ("request_throughput", "requests/s", "{:.2f}"),
+    ("input_throughput", "input tok/s", "{:.1f}"),
+    ("total_output_tokens", "output tokens", "{}"),
+    ("duration_s", "duration (s)", "{:.3f}"),
+    ("mean_ttft_ms", "TTFT mean (ms)", "{:.2f}"),
+    ("p50_ttft_ms", "TTFT p50 (ms)", "{:.2f}"),
+    ("p99_ttft_ms", "TTFT p99 (ms)", "{:.2f}"),
+    ("mean_itl_ms", "ITL mean (ms)", "{:.2f}"),
+    ("p50_itl_ms", "ITL p50 (ms)", "{:.2f}"),
+    ("p99_itl_ms", "ITL p99 (ms)", "{:.2f}"),
+    ("mean_tpot_ms", "TPOT mean (ms)", "{:.2f}"),
+    ("p50_tpot_ms", "TPOT p50 (ms)", "{:.2f}"),
+    ("p99_tpot_ms", "TPOT p99 (ms)", "{:.2f}"),
+    ("device_idle_fraction", "device idle", "{:.1%}"),
+    ("overshoot_steps", "overshoot steps", "{}"),
+)
+
+
+def format_table(report: dict[str, dict[str, Any]]) -> str:
+    names = list(report)
+    lines = [f"{'':18s}" + "".join(f"{n:>15s}" for n in names)]
+    for key, label, fmt in _ROWS:
+        cells = []
+        for name in names:
+            value = report[name].get(key)
+            cells.append(f"{'-' if value is None else fmt.format(value):>15s}")
+        lines.append(f"{label:18s}" + "".join(cells))
+    return "\n".join(lines)
+
+
+# -- entry point ----------------------------------------------------------------------------------
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from tandem.scheduler import Engine
+
+    if args.model_path and not (Path(args.model_path) / "config.json").exists():
+        parser.error(f"argument --model-path: no config.json in {args.model_path}")
+    if args.num_prompts < 1:
+        parser.error("argument --num-prompts: must be at least 1")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        parser.error("argument --random-range-ratio: must be in [0, 1]")
+    if args.workload == "sharegpt" and not args.dataset_path:
+        parser.error("argument --dataset-path: required by --workload sharegpt")
+
+    options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
+    names = ["normal", "overlap"] if args.compare_overlap else [None]
+    engines: dict[str, Any] = {}
+    try:
+        for name in names:
+            engine = Engine(
+                **options, disable_progress_bar=True, disable_overlap_schedule=name == "normal"
+            )
+            engines[name or ("overlap" if engine.scheduler.overlap else "normal")] = engine
+        first = next(iter(engines.values()))
+        try:
+            workload = build_workload(
+                args, first.model_config.vocab_size, first.tokenizer, first.context_length
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+        warm = Workload(workload.prompts[:2], [min(4, k) for k in workload.output_lens[:2]])
+        for engine in engines.values():
+            run_engine(engine, warm, "warm-up")
+        report: dict[str, dict[str, Any]] = {}
+        for name, engine in engines.items():  # alternating: normal, then overlap
+            report[name] = run_engine(engine, workload, name)
+        model_path, device, dtype = first.model_path, first.device, first.dtype
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    if args.compare_transformers:
+        report["transformers"] = run_transformers(model_path, device, dtype, workload)
+
+    print(
+        f"workload {args.workload}: {len(workload.prompts)} requests, "
+        f"{workload.total_input_tokens} input / {workload.total_output_tokens} output tokens, "
+        f"device {device}, dtype {str(dtype).removeprefix('torch.')}"
+    )
+    print(format_table(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    return run(parser.parse_args(argv), parser)

@@ -1,0 +1,109 @@
+"""``tandem bench``: small runs of each workload, checked through ``--output-json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem.server import bench
+from tandem.server.cli import main
+
+KEYS = {
+    "output_throughput",
+    "request_throughput",
+    "input_throughput",
+    "total_output_tokens",
+    "duration_s",
+    "device_idle_fraction",
+    "overshoot_steps",
+    *(f"{s}_{m}_ms" for s in ("mean", "p50", "p99") for m in ("ttft", "itl", "tpot")),
+}
+SMALL = ["--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "6"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def _env(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache))
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "out.json"
+    assert main(["bench", "--device", "cpu", *extra, "--output-json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _expected(*extra: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    from tandem.scheduler.default_model import default_model_path
+
+    args = bench.build_parser().parse_args(list(extra))
+    tokenizer = Tokenizer.from_file(str(default_model_path() / "tokenizer.json"))
+    return bench.build_workload(args, 429, tokenizer, 2048).output_lens
+
+
+def test_random_compare_overlap_and_transformers(tmp_path: Path, capsys) -> None:
+    extra = [*SMALL, "--random-range-ratio", "0.5", "--seed", "3"]
+    report = _run(tmp_path, *extra, "--compare-overlap", "--compare-transformers")
+    assert set(report) == {"normal", "overlap", "transformers"}
+    expected = _expected(*extra)
+    assert all(3 <= k <= 6 for k in expected)
+    for name, result in report.items():
+        assert set(result) >= KEYS, name
+        assert result["output_lens"] == expected, name
+        assert result["total_output_tokens"] == sum(expected)
+        assert result["output_throughput"] > 0
+        assert result["duration_s"] > 0
+    for name in ("normal", "overlap"):
+        assert report[name]["mean_ttft_ms"] > 0
+        assert report[name]["p99_itl_ms"] > 0
+        assert 0 <= report[name]["device_idle_fraction"] <= 1
+        assert report[name]["overshoot_steps"] >= 0
+    for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "device_idle_fraction"):
+        assert report["transformers"][key] is None
+    table = capsys.readouterr().out
+    assert "output tok/s" in table
+    assert "transformers" in table
+
+
+def test_shared_prefix(tmp_path: Path) -> None:
+    extra = [*SMALL, "--workload", "shared-prefix", "--shared-prefix-len", "10"]
+    report = _run(tmp_path, *extra, "--random-range-ratio", "1")
+    assert set(report) == {"overlap"}
+    assert report["overlap"]["output_lens"] == [6] * 6
+    assert report["overlap"]["total_input_tokens"] == 6 * (10 + 12)
+    args = bench.build_parser().parse_args([*extra])
+    prompts = bench.build_workload(args, 429, None, 2048).prompts
+    assert len({tuple(p[:10]) for p in prompts}) == 1
+
+
+def test_sharegpt(tmp_path: Path) -> None:
+    data = [
+        {"conversations": [{"from": "human", "value": f"Tell me about item {i}."},
+                           {"from": "gpt", "value": "It is a thing. " * (i + 1)}]}
+        for i in range(8)
+    ] + [{"conversations": [{"from": "human", "value": "no answer"}]}]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    extra = ["--workload", "sharegpt", "--dataset-path", str(path), "--num-prompts", "6"]
+    report = _run(tmp_path, *extra, "--compare-transformers")
+    assert set(report) == {"overlap", "transformers"}
+    expected = _expected(*extra)
+    assert len(expected) == 6
+    assert len(set(expected)) > 1
+    for result in report.values():
+        assert result["output_lens"] == expected
+        assert result["total_output_tokens"] == sum(expected)
+
+
+def test_sharegpt_needs_dataset() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--workload", "sharegpt"])
+    assert exc.value.code == 2
