@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.build_parser(
         sub.add_parser(
             "bench",
-            help="offline, in-process benchmark",
-            description="Offline, in-process benchmark of the engine.",
+            help="offline, in-process benchmark (`tandem bench serve`: against a live server)",
+            description="Offline, in-process benchmark of the engine. "
+            "`tandem bench serve --help`: the load generator against a live server.",
         )
     )
     return parser
@@ -146,6 +147,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "serve"]:
+        from tandem.server import bench_serve
+
+        return bench_serve.main(argv[2:])
     if argv and argv[0] == "generate":
         from tandem.scheduler import cli as offline
 

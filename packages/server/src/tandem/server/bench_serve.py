@@ -1,0 +1,379 @@
+"""``tandem bench serve``: a load generator against any OpenAI-compatible server.
+
+Builds the workload of ``tandem bench`` (random, shared-prefix or ShareGPT), sends each
+request as a streamed ``/v1/completions`` (or ``--endpoint chat``: ``/v1/chat/completions``)
+call with greedy sampling, a fixed ``max_tokens`` and ``ignore_eos``, at Poisson arrivals
+(``--request-rate``) under an optional ``--max-concurrency`` cap, and reports the figures
+of SGLang's ``bench_serving``: throughput, TTFT, ITL, TPOT and end-to-end latency.
+
+Completions send the prompt as token ids; chat sends it decoded as one user message.
+Token counts come from the server's ``usage`` (``stream_options.include_usage``) when it
+returns one, else from the local tokenizer (prompt) and the streamed chunks (output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.server import bench
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_WORDS = ("the", "model", "serves", "tokens", "quickly", "and", "with", "care", "a", "batch")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    if parser is None:
+        parser = argparse.ArgumentParser(
+            prog="tandem bench serve",
+            description=__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    parser.add_argument(
+        "--base-url", default="http://127.0.0.1:30000", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--backend",
+        default="openai",
+        choices=("openai", "tandem", "sglang", "vllm"),
+        help="any OpenAI-compatible server; the name is recorded only (default: openai)",
+    )
+    parser.add_argument(
+        "--endpoint", choices=tuple(ENDPOINTS), default="completions", help="(default: completions)"
+    )
+    parser.add_argument("--model", help="model name sent (default: the first of /v1/models)")
+    parser.add_argument(
+        "--tokenizer-path",
+        help="checkpoint folder or tokenizer.json (default: the served model's, for a tandem "
+        "server, else none: prompts are random words and tokens are counted from usage)",
+    )
+    parser.add_argument("--workload", choices=bench.WORKLOADS, default="random")
+    parser.add_argument("--dataset-path", help="ShareGPT-format JSON (for --workload sharegpt)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    parser.add_argument("--random-input-len", type=int, default=256, help="(default: 256)")
+    parser.add_argument("--random-output-len", type=int, default=128, help="(default: 128)")
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly in [len * ratio, len] (default: 0.0)",
+    )
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=128,
+        help="common prefix of every prompt, for --workload shared-prefix (default: 128)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals, requests/s; inf sends all at once (default: inf)",
+    )
+    parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    parser.add_argument("--seed", type=int, default=1, help="workload and arrival seed")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, s")
+    parser.add_argument("--output-json", help="write the figures to this file")
+    return parser
+
+
+# -- server and tokenizer -------------------------------------------------------------------------
+async def _models(client: Any, base_url: str) -> list[dict[str, Any]]:
+    response = await client.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    return list(response.json().get("data") or [])
+
+
+async def _tandem_tokenizer(client: Any, base_url: str) -> Any:
+    """The served checkpoint's tokenizer when it is readable here, else the default model's."""
+    from tokenizers import Tokenizer
+
+    try:
+        info = (await client.get(f"{base_url}/get_server_info")).json()
+        path = Path(str(info.get("model_path"))) / "tokenizer.json"
+        if path.is_file():
+            return Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - fall back to the embedded default model
+        pass
+    from tandem.scheduler.default_model import default_model_path
+
+    return Tokenizer.from_file(str(default_model_path() / "tokenizer.json"))
+
+
+def load_tokenizer(path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    return Tokenizer.from_file(str(file))
+
+
+def _word_workload(args: argparse.Namespace) -> bench.Workload:
+    """Without a tokenizer: random words, one word per intended token (roughly)."""
+    return bench.build_workload(args, len(_WORDS), None, 1 << 62)
+
+
+# -- requests -------------------------------------------------------------------------------------
+@dataclass
+class Output:
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def _body(args: argparse.Namespace, model: str, prompt: Any, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def _has_text(choice: dict[str, Any], chat: bool) -> bool:
+    if chat:
+        delta = choice.get("delta") or {}
+        return bool(delta.get("content") or delta.get("reasoning_content"))
+    return bool(choice.get("text"))
+
+
+async def send(client: Any, url: str, body: dict[str, Any], prompt_len: int) -> Output:
+    out = Output(prompt_len=prompt_len)
+    chat = "messages" in body
+    chunks = 0
+    usage: dict[str, Any] | None = None
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return out
+            async for line in response.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    out.error = str(event["error"])[:200]
+                    return out
+                if event.get("usage"):
+                    usage = event["usage"]
+                if not any(_has_text(c, chat) for c in event.get("choices") or []):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    out.ttft = now - start
+                else:
+                    out.itl.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.latency = time.perf_counter() - start
+    out.output_len = int(usage["completion_tokens"]) if usage else chunks
+    if usage and usage.get("prompt_tokens"):
+        out.prompt_len = int(usage["prompt_tokens"])
+    out.success = chunks > 0 or out.output_len == 0
+    if not out.success:
+        out.error = "no token streamed"
+    return out
+
+
+async def _arrivals(n: int, rate: float, rng: random.Random) -> Any:
+    for i in range(n):
+        yield i
+        if rate != float("inf") and i < n - 1:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def run_benchmark(
+    args: argparse.Namespace, client: Any, model: str, prompts: list[Any], work: bench.Workload
+) -> tuple[list[Output], float]:
+    url = args.base_url.rstrip("/") + ENDPOINTS[args.endpoint]
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+    async def one(i: int) -> Output:
+        body = _body(args, model, prompts[i], work.output_lens[i])
+        if limit is None:
+            return await send(client, url, body, len(work.prompts[i]))
+        async with limit:
+            return await send(client, url, body, len(work.prompts[i]))
+
+    tasks = []
+    start = time.perf_counter()
+    async for i in _arrivals(len(prompts), args.request_rate, random.Random(args.seed)):
+        tasks.append(asyncio.create_task(one(i)))
+    outputs = await asyncio.gather(*tasks)
+    return list(outputs), time.perf_counter() - start
+
+
+# -- metrics --------------------------------------------------------------------------------------
+def _stats(name: str, values: Sequence[float]) -> dict[str, float | None]:
+    stats = bench._percentiles(values)
+    return {
+        f"mean_{name}_ms": stats["mean"],
+        f"median_{name}_ms": stats["p50"],
+        f"p99_{name}_ms": stats["p99"],
+    }
+
+
+def calculate_metrics(outputs: list[Output], duration: float) -> dict[str, Any]:
+    done = [o for o in outputs if o.success]
+    total_in = sum(o.prompt_len for o in done)
+    total_out = sum(o.output_len for o in done)
+    tpots = [(o.latency - o.ttft) / (o.output_len - 1) for o in done if o.output_len > 1]
+    latencies = [o.latency for o in done]
+    return {
+        "completed": len(done),
+        "failed": len(outputs) - len(done),
+        "errors": sorted({o.error for o in outputs if not o.success})[:5],
+        "duration_s": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "output_lens": [o.output_len for o in outputs],
+        "request_throughput": len(done) / duration,
+        "input_throughput": total_in / duration,
+        "output_throughput": total_out / duration,
+        "total_throughput": (total_in + total_out) / duration,
+        "concurrency": sum(latencies) / duration,
+        **_stats("ttft", [o.ttft for o in done]),
+        **_stats("itl", [x for o in done for x in o.itl]),
+        **_stats("tpot", tpots),
+        **_stats("e2e_latency", latencies),
+    }
+
+
+_LATENCIES = (("e2e_latency", "E2E Latency"), ("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
+_ROWS = (
+    ("completed", "Successful requests", "{}"),
+    ("failed", "Failed requests", "{}"),
+    ("duration_s", "Benchmark duration (s)", "{:.2f}"),
+    ("total_input_tokens", "Total input tokens", "{}"),
+    ("total_output_tokens", "Total generated tokens", "{}"),
+    ("request_throughput", "Request throughput (req/s)", "{:.2f}"),
+    ("input_throughput", "Input token throughput (tok/s)", "{:.2f}"),
+    ("output_throughput", "Output token throughput (tok/s)", "{:.2f}"),
+    ("concurrency", "Concurrency", "{:.2f}"),
+    *(
+        (f"{stat}_{name}_ms", f"{stat.capitalize()} {label} (ms)", "{:.2f}")
+        for name, label in _LATENCIES
+        for stat in ("mean", "median", "p99")
+    ),
+)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = []
+    for key, label, fmt in _ROWS:
+        value = result.get(key)
+        lines.append(f"{label:<40s}{'-' if value is None else fmt.format(value):>12s}")
+    return "\n".join(lines)
+
+
+# -- entry point ----------------------------------------------------------------------------------
+async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    import httpx
+
+    base = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.timeout)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        try:
+            models = await _models(client, base)
+        except (httpx.HTTPError, ValueError) as exc:
+            parser.error(f"argument --base-url: cannot list models at {base}: {exc}")
+        if not args.model and not models:
+            parser.error("argument --model: the server lists no model")
+        model = args.model or str(models[0]["id"])
+        entry = next((m for m in models if m.get("id") == model), {})
+        tokenizer = None
+        if args.tokenizer_path:
+            tokenizer = load_tokenizer(args.tokenizer_path)
+        elif entry.get("owned_by") == "tandem":
+            tokenizer = await _tandem_tokenizer(client, base)
+        context = int(entry.get("max_model_len") or 1 << 62)
+        try:
+            if tokenizer is None:
+                if args.workload == "sharegpt":
+                    parser.error("argument --tokenizer-path: required by --workload sharegpt")
+                work = _word_workload(args)
+            else:
+                work = bench.build_workload(args, tokenizer.get_vocab_size(), tokenizer, context)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if tokenizer is None:
+            texts = [" ".join(_WORDS[t] for t in p) for p in work.prompts]
+            prompts: list[Any] = texts
+        elif args.endpoint == "chat":
+            prompts = [tokenizer.decode(p) for p in work.prompts]
+        else:
+            prompts = work.prompts
+        print(
+            f"{args.backend} {base}{ENDPOINTS[args.endpoint]} model {model}: workload "
+            f"{args.workload}, {len(prompts)} requests, rate {args.request_rate}, "
+            f"max concurrency {args.max_concurrency or '-'}",
+            file=sys.stderr,
+        )
+        outputs, duration = await run_benchmark(args, client, model, prompts, work)
+    result = calculate_metrics(outputs, duration)
+    result.update(
+        backend=args.backend,
+        endpoint=args.endpoint,
+        model=model,
+        workload=args.workload,
+        num_prompts=len(prompts),
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        requested_output_lens=work.output_lens,
+    )
+    return result
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.num_prompts < 1:
+        parser.error("argument --num-prompts: must be at least 1")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        parser.error("argument --random-range-ratio: must be in [0, 1]")
+    if not args.request_rate > 0:
+        parser.error("argument --request-rate: must be positive (or inf)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error("argument --max-concurrency: must be at least 1")
+    if args.workload == "sharegpt" and not args.dataset_path:
+        parser.error("argument --dataset-path: required by --workload sharegpt")
+    result = asyncio.run(_main(args, parser))
+    print(format_report(result))
+    if args.output_json:
+        out = {k: (None if v == float("inf") else v) for k, v in result.items()}
+        out["request_rate"] = "inf" if args.request_rate == float("inf") else args.request_rate
+        Path(args.output_json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0 if result["failed"] == 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    return run(parser.parse_args(argv), parser)

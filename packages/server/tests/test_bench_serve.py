@@ -1,0 +1,94 @@
+"""``tandem bench serve`` against a live ``tandem serve``, checked through ``--output-json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_process import LiveServer, live_server
+
+from tandem.server import bench_serve
+from tandem.server.cli import main
+
+KEYS = {
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "input_throughput",
+    "output_throughput",
+    "concurrency",
+    *(
+        f"{s}_{m}_ms"
+        for s in ("mean", "median", "p99")
+        for m in ("ttft", "itl", "tpot", "e2e_latency")
+    ),
+}
+N = 4
+SMALL = ["--num-prompts", str(N), "--random-input-len", "10", "--random-output-len", "5"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CACHE_DIR", str(cache))
+        with live_server(cache) as live:
+            yield live
+
+
+def _run(server: LiveServer, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "out.json"
+    argv = ["--base-url", server.url, *SMALL, *extra, "--output-json", str(out)]
+    assert bench_serve.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _check(result: dict) -> None:
+    assert set(result) >= KEYS
+    assert result["completed"] == N
+    assert result["failed"] == 0
+    assert result["output_lens"] == result["requested_output_lens"]
+    assert result["total_output_tokens"] == sum(result["requested_output_lens"])
+    assert result["total_input_tokens"] > 0
+    assert all(result[k] is not None for k in KEYS)
+
+
+def test_completions_all_at_once(server: LiveServer, tmp_path: Path) -> None:
+    result = _run(server, tmp_path, "--random-range-ratio", "0.5")
+    _check(result)
+    assert result["request_rate"] == "inf"
+    assert result["endpoint"] == "completions"
+    assert result["total_input_tokens"] >= N * 5
+
+
+def test_chat_finite_rate_capped(server: LiveServer, tmp_path: Path) -> None:
+    extra = ["--endpoint", "chat", "--request-rate", "20", "--max-concurrency", "2"]
+    result = _run(server, tmp_path, *extra, "--workload", "shared-prefix")
+    _check(result)
+    assert result["max_concurrency"] == 2
+    assert result["request_rate"] == 20
+    assert result["concurrency"] <= 2.0 + 1e-6
+
+
+def test_cli_registration(server: LiveServer, tmp_path: Path) -> None:
+    out = tmp_path / "cli.json"
+    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "2"]
+    argv += ["--random-input-len", "6", "--random-output-len", "3", "--output-json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 2
+    assert result["output_lens"] == result["requested_output_lens"]
+
+
+def test_unreachable_server_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench_serve.main(["--base-url", "http://127.0.0.1:1", "--num-prompts", "1"])
+    assert info.value.code == 2
