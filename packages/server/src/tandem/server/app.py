@@ -29,6 +29,7 @@ from tandem.server.generation import (
     first_then_rest,
     run_jobs,
     until_disconnect,
+    with_first,
 )
 from tandem.server.metrics import Metrics
 from tandem.server.parsing import Job, Limits
@@ -323,16 +324,8 @@ async def _respond(
                         for j in jobs
                     ]
                 )  # fmt: skip
-            pending = [first] if first is not None else []
-            async with contextlib.aclosing(events) as rest:  # type: ignore[type-var]
-                while True:
-                    if pending:
-                        event: Event = pending.pop()
-                    else:
-                        try:
-                            event = await anext(rest)
-                        except StopAsyncIteration:
-                            break
+            async with contextlib.aclosing(with_first(first, events)) as all_events:
+                async for event in all_events:
                     completion += len(event.ids)
                     if not event.text and event.finish_reason is None and not event.ids:
                         continue
@@ -416,16 +409,8 @@ async def _native(st: ServerState, request: Request, body: dict[str, Any]) -> Re
     async def sse() -> AsyncIterator[str]:
         acc = Choice(0)
         try:
-            pending = [first] if first is not None else []
-            async with contextlib.aclosing(events) as rest:  # type: ignore[type-var]
-                while True:
-                    if pending:
-                        event: Event = pending.pop()
-                    else:
-                        try:
-                            event = await anext(rest)
-                        except StopAsyncIteration:
-                            break
+            async with contextlib.aclosing(with_first(first, events)) as all_events:
+                async for event in all_events:
                     acc.add(event)
                     yield f"data: {json.dumps(_native_result(acc.text, acc.ids, acc, want))}\n\n"
         except Exception as exc:  # noqa: BLE001 - reported in-band

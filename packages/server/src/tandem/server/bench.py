@@ -39,12 +39,8 @@ class Workload:
         return sum(self.output_lens)
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    if parser is None:
-        parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
-    parser.add_argument("--model-path", help="checkpoint folder (default: the embedded model)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload options, shared with ``tandem bench serve`` (SGLang's names)."""
     parser.add_argument("--workload", choices=WORKLOADS, default="random")
     parser.add_argument("--dataset-path", help="ShareGPT-format JSON (for --workload sharegpt)")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
@@ -62,6 +58,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=128,
         help="common prefix of every prompt, for --workload shared-prefix (default: 128)",
     )
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
+    parser.add_argument("--model-path", help="checkpoint folder (default: the embedded model)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
+    add_workload_arguments(parser)
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default: 1)")
     parser.add_argument(
         "--compare-overlap",

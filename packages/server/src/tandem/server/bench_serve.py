@@ -55,23 +55,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="checkpoint folder or tokenizer.json (default: the served model's, for a tandem "
         "server, else none: prompts are random words and tokens are counted from usage)",
     )
-    parser.add_argument("--workload", choices=bench.WORKLOADS, default="random")
-    parser.add_argument("--dataset-path", help="ShareGPT-format JSON (for --workload sharegpt)")
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
-    parser.add_argument("--random-input-len", type=int, default=256, help="(default: 256)")
-    parser.add_argument("--random-output-len", type=int, default=128, help="(default: 128)")
-    parser.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths drawn uniformly in [len * ratio, len] (default: 0.0)",
-    )
-    parser.add_argument(
-        "--shared-prefix-len",
-        type=int,
-        default=128,
-        help="common prefix of every prompt, for --workload shared-prefix (default: 128)",
-    )
+    bench.add_workload_arguments(parser)
     parser.add_argument(
         "--request-rate",
         type=float,

@@ -217,6 +217,18 @@ async def first_then_rest(
     return first, events
 
 
+async def with_first(first: Event | None, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """``first`` (taken by ``first_then_rest``) followed by the rest; closing this
+    closes ``rest`` too, which aborts the jobs behind it."""
+    try:
+        if first is not None:
+            yield first
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
