@@ -17,7 +17,13 @@ from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.forward_batch import ForwardBatch
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.models import CausalLM
-from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingBatchInfo, SamplingParams
+from tandem.scheduler.sampling import (
+    PenaltyState,
+    SampleOutput,
+    Sampler,
+    SamplingBatchInfo,
+    SamplingParams,
+)
 from tandem.scheduler.schedule_batch import ScheduledBatch
 from tandem.scheduler.timeline import Timeline
 
@@ -105,8 +111,9 @@ class ModelRunner:
         return LaunchedBatch(batch, work, self.stream.record_event())
 
     def discard_rows(self, rows: list[int]) -> None:
-        """Freed rows forget their futures, in stream order (after any queued read)."""
-        if rows:
+        """Freed rows forget their futures, in stream order (after any queued read).
+        Only the debug checks care, so without them nothing is enqueued."""
+        if rows and self.future_map.debug:
             self.stream.submit(self.future_map.discard, rows)
 
     # -- on the forward stream --------------------------------------------------------------
@@ -171,14 +178,14 @@ class ModelRunner:
         return self._to_host(out, logits if batch.return_logits else None)
 
     @staticmethod
-    def _to_host(out: object, logits: torch.Tensor | None) -> StepResult:
+    def _to_host(out: SampleOutput, logits: torch.Tensor | None) -> StepResult:
         def host(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to("cpu", non_blocking=True)
 
-        top = getattr(out, "top_logprobs", None)
+        top = out.top_logprobs
         return StepResult(
-            next_token_ids=host(out.next_token_ids),  # type: ignore[attr-defined, arg-type]
-            logprobs=host(getattr(out, "logprobs", None)),
+            next_token_ids=out.next_token_ids.to("cpu", non_blocking=True),
+            logprobs=host(out.logprobs),
             top_logprob_values=host(top[0]) if top is not None else None,
             top_logprob_ids=host(top[1]) if top is not None else None,
             logits=host(logits),

@@ -173,10 +173,6 @@ class Scheduler:
                 self.check_accounting()
         return updates
 
-    def step(self) -> list[Update]:
-        """Alias of ``iterate`` (the normal loop's one step)."""
-        return self.iterate()
-
     def _launch(self, batch: ScheduledBatch) -> LaunchedBatch:
         sampling = self._sampling_spec(batch)
         for req in batch.reqs:
@@ -237,8 +233,9 @@ class Scheduler:
         )
         self.waiting = deque(req for _, req in scored)
 
-    def _admit(self, req: Request) -> bool:
-        """Give ``req`` a row and its cached prefix, if its first chunk fits."""
+    def _admit(self, req: Request, reserve: int) -> bool:
+        """Give ``req`` a row and its cached prefix, if its first chunk fits after
+        ``reserve`` pages kept for decoding requests."""
         fill = req.fill_ids
         match = None
         if self.radix is not None:
@@ -247,7 +244,6 @@ class Scheduler:
         cached = match.num_tokens if match is not None else 0
         first = min(len(fill) - cached, self._chunk)
         need = self.kv_pool.pages_for(cached + first) - (len(match.pages) if match else 0)
-        reserve = len(self._decodable())  # one page per decoding request, optimistically
         row = None
         if need + reserve <= self._available_pages():
             row = self.req_pool.alloc()
@@ -283,11 +279,12 @@ class Scheduler:
             budget -= n
         self._order_waiting()
         room = self.config.max_running_requests - self._admitted_count()
+        reserve = len(self._decodable())  # one page per decoding request, optimistically
         while self.waiting and budget > 0 and room > 0:
             req = self.waiting[0]
             if len(req.fill_ids) > min(budget, self._chunk) and chosen:
                 break  # a prompt that must be chunked starts a batch of its own
-            if not self._admit(req):
+            if not self._admit(req, reserve):
                 break
             self.waiting.popleft()
             admitted.append(req)
