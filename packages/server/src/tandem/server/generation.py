@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import Request
 
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
@@ -240,17 +241,19 @@ async def until_disconnect(request: Request, source: AsyncIterator[str]) -> Asyn
     """Relay ``source`` until the client goes away, then close it (which aborts its jobs).
 
     uvicorn silently drops writes to a closed connection, and Starlette only listens for
-    the disconnect on older ASGI versions, so a stream must watch for it itself.
+    the disconnect on older ASGI versions, so a stream must watch for it itself. Newer
+    Starlette versions instead cancel the response's task group on disconnect; the
+    clean-up below is shielded from that cancellation and first stops the pending
+    ``anext`` step, because closing a generator that is still running raises instead of
+    aborting the jobs.
     """
     gone = asyncio.create_task(_wait_disconnect(request))
+    step: asyncio.Future[str] | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(source))
             await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await step
                 return
             try:
                 item = step.result()
@@ -258,7 +261,15 @@ async def until_disconnect(request: Request, source: AsyncIterator[str]) -> Asyn
                 return
             yield item
     finally:
-        gone.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await gone
-        await source.aclose()  # type: ignore[attr-defined]
+        with anyio.CancelScope(shield=True):
+            await _cancel_and_wait(gone)
+            if step is not None:
+                await _cancel_and_wait(step)
+            await source.aclose()  # type: ignore[attr-defined]
+
+
+async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has really stopped, whatever it raised."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+        await task
