@@ -107,3 +107,28 @@ def test_sharegpt_needs_dataset() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--workload", "sharegpt"])
     assert exc.value.code == 2
+
+
+def test_compare_speculative_on_a_text_workload(tmp_path: Path, cache: Path) -> None:
+    from tandem.scheduler.default_model import default_model_path
+    from tandem.spec_eagle import write_random_head
+
+    head = write_random_head(default_model_path(cache_dir=cache), tmp_path / "head")
+    text = tmp_path / "text.txt"
+    text.write_text("It was the best of times, it was the worst of times. " * 20)
+    report = _run(
+        tmp_path, "--workload", "text", "--dataset-path", str(text), *SMALL,
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
+        "--compare-speculative",
+    )  # fmt: skip
+    assert set(report) == {"plain", "speculative"}
+    assert set(report["speculative"]) >= KEYS
+    assert report["speculative"]["spec_accept_length"] >= 1.0
+    assert report["speculative"]["speedup"] > 0
+    assert "spec_accept_length" not in report["plain"]
+    assert report["plain"]["total_output_tokens"] == report["speculative"]["total_output_tokens"]
+
+
+def test_compare_speculative_needs_an_algorithm(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cpu", "--compare-speculative", *SMALL])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+from starlette.requests import ClientDisconnect
 
-from tandem.server.generation import until_disconnect
+from tandem.server.generation import ClosingStreamingResponse, until_disconnect
 
 
 class FakeRequest:
@@ -69,5 +71,36 @@ def test_cancelled_response_task_still_closes_source() -> None:
                 scope.cancel()
         await stream.aclose()  # type: ignore[attr-defined]
         return log
+
+    assert asyncio.run(main()) == ["closed"]
+
+
+def test_response_closes_a_body_left_suspended_at_a_yield() -> None:
+    """The client is gone while the body generator waits at a ``yield``: the response
+    ends with an error from ``send``, and the generator must still be closed."""
+
+    async def main() -> list[str]:
+        log: list[str] = []
+        started = asyncio.Event()
+        body = _source(log, started)  # held here, so no garbage collection closes it
+        response = ClosingStreamingResponse(body)
+        sent = 0
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal sent
+            sent += 1
+            if message["type"] == "http.response.body" and message.get("body"):
+                raise OSError("connection reset by peer")
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "GET"}
+        with contextlib.suppress(OSError, ClientDisconnect):
+            await response(scope, receive, send)  # type: ignore[arg-type]
+        closed_in_time = list(log)
+        del body
+        return closed_in_time
 
     assert asyncio.run(main()) == ["closed"]

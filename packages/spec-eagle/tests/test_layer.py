@@ -16,3 +16,13 @@ def test_imports_in_the_shared_namespace() -> None:
 def test_importing_spec_eagle_pulls_no_server() -> None:
     code = "import sys, tandem.spec_eagle\nsys.exit(1 if 'tandem.server' in sys.modules else 0)\n"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_scheduler_never_imports_spec_eagle() -> None:
+    code = (
+        "import sys, tandem.scheduler, tandem.scheduler.speculative\n"
+        "from tandem.scheduler.speculative import speculative_algorithms\n"
+        "assert {'EAGLE', 'EAGLE3'} <= set(speculative_algorithms())\n"
+        "sys.exit(1 if 'tandem.spec_eagle' in sys.modules else 0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

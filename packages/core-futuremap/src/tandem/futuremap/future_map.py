@@ -90,17 +90,19 @@ class FutureMap:
 
     # -- stash / resolve ----------------------------------------------------------------
     def stash(
-        self, rows: Rows, tokens: torch.Tensor | Sequence[int], **relay: torch.Tensor
+        self, rows: Rows, tokens: torch.Tensor | Sequence[int] | None, **relay: torch.Tensor
     ) -> None:
         """Write a batch's outputs at its rows: ``tokens`` (flattened, cast to int64,
         one per row) into ``output_tokens`` and each keyword into the relay field of
-        that name (shape ``[len(rows), *field.shape]``). Empty ``rows``: a no-op."""
+        that name (shape ``[len(rows), *field.shape]``). ``tokens=None`` writes the
+        relay fields alone (a speculative worker completing a prefill whose token the
+        sampler stashed). Empty ``rows``: a no-op."""
         idx = self._rows(rows)
         n = idx.numel()
         if n == 0:
             return
-        values = torch.as_tensor(tokens).reshape(-1)
-        if values.numel() != n:
+        values = None if tokens is None else torch.as_tensor(tokens).reshape(-1)
+        if values is not None and values.numel() != n:
             raise ValueError(f"stash: {n} rows but {values.numel()} tokens")
         staged = [(self._field(name), torch.as_tensor(value)) for name, value in relay.items()]
         for spec, value in staged:
@@ -109,9 +111,10 @@ class FutureMap:
                     f"stash: relay field {spec.name!r} expects shape {(n, *spec.shape)}, "
                     f"got {tuple(value.shape)}"
                 )
-        self.output_tokens.index_copy_(
-            0, idx, values.to(self.device, torch.int64, non_blocking=True)
-        )
+        if values is not None:
+            self.output_tokens.index_copy_(
+                0, idx, values.to(self.device, torch.int64, non_blocking=True)
+            )
         for spec, value in staged:
             buf = self._allocate(spec)
             buf.index_copy_(0, idx, value.to(self.device, spec.dtype, non_blocking=True))
@@ -234,15 +237,21 @@ class FutureMap:
     def _allocate(self, spec: RelayField) -> torch.Tensor:
         buf = self._relay.get(spec.name)
         if buf is None:
-            buf = torch.zeros(
-                spec.buffer_shape(self.num_rows), dtype=spec.dtype, device=self.device
-            )
-            self._relay[spec.name] = buf
-            if self.debug:
-                flags = torch.zeros(self.num_rows + 1, dtype=torch.int8, device=self.device)
-                flags[0] = 1
-                self._written[spec.name] = flags
+            # Normal tensors even when the first stash runs under inference mode, so
+            # ``discard`` (outside it) may still update them in place.
+            with torch.inference_mode(False):
+                self._allocate_now(spec)
+            buf = self._relay[spec.name]
         return buf
+
+    def _allocate_now(self, spec: RelayField) -> None:
+        self._relay[spec.name] = torch.zeros(
+            spec.buffer_shape(self.num_rows), dtype=spec.dtype, device=self.device
+        )
+        if self.debug:
+            flags = torch.zeros(self.num_rows + 1, dtype=torch.int8, device=self.device)
+            flags[0] = 1
+            self._written[spec.name] = flags
 
     def __repr__(self) -> str:
         fields = ", ".join(self._fields) or "-"

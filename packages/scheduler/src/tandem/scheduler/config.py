@@ -51,6 +51,16 @@ class EngineConfig:
         disable_radix_cache: no prefix sharing across requests.
         enable_mixed_chunk: let decoding requests ride along in prefill batches.
         disable_progress_bar: no progress bar for batch generation.
+        speculative_algorithm: ``EAGLE`` or ``EAGLE3`` (from ``tandem-spec-eagle``)
+            turns on speculative decoding; ``None`` decodes one token per step.
+        speculative_draft_model_path: the draft head's checkpoint folder.
+        speculative_num_steps: draft forwards per step (depth of the draft tree);
+            default 3.
+        speculative_eagle_topk: branching of the draft tree; 1 drafts a chain.
+            Default 1.
+        speculative_num_draft_tokens: tokens the target verifies per step (the root
+            plus the drafted nodes); default ``num_steps + 1`` for a chain,
+            ``num_steps * topk + 1`` for a tree.
     """
 
     model_path: str | None = None
@@ -72,6 +82,11 @@ class EngineConfig:
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
     disable_progress_bar: bool = False
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> EngineConfig:
@@ -112,6 +127,70 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac}")
         if not isinstance(self.random_seed, int) or isinstance(self.random_seed, bool):
             raise ValueError(f"random_seed must be an int, got {self.random_seed!r}")
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        """Speculative options only make sense together; fill SGLang's defaults."""
+        spec_options = (
+            "speculative_draft_model_path",
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+        )
+        if self.speculative_algorithm is None:
+            given = [name for name in spec_options if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]} needs speculative_algorithm (EAGLE or EAGLE3)")
+            return
+        if not isinstance(self.speculative_algorithm, str) or not self.speculative_algorithm:
+            raise ValueError(
+                f"speculative_algorithm must be a name such as 'EAGLE3', "
+                f"got {self.speculative_algorithm!r}"
+            )
+        if not self.speculative_draft_model_path:
+            raise ValueError(
+                f"speculative_algorithm={self.speculative_algorithm!r} needs "
+                "speculative_draft_model_path (the draft head's folder)"
+            )
+        if self.enable_mixed_chunk:
+            raise ValueError("enable_mixed_chunk cannot be combined with speculative decoding")
+        if self.speculative_num_steps is None:
+            self.speculative_num_steps = 3
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        _positive(self, "speculative_num_steps", "speculative_eagle_topk")
+        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
+        most = 1 + topk + (steps - 1) * topk * topk  # the root and every drafted node
+        if topk == 1:
+            most = steps + 1
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = min(most, steps * topk + 1)
+        _positive(self, "speculative_num_draft_tokens")
+        ndt = self.speculative_num_draft_tokens
+        if not 2 <= ndt <= most:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be in [2, {most}] for "
+                f"speculative_num_steps={steps} and speculative_eagle_topk={topk}, got {ndt}"
+            )
+
+    @property
+    def speculative(self) -> bool:
+        """Whether speculative decoding is on."""
+        return self.speculative_algorithm is not None
+
+    @property
+    def speculative_max_accept(self) -> int:
+        """Most tokens one speculative step commits per request: the accepted path of
+        the draft tree (at most ``num_steps`` deep) plus the bonus token."""
+        assert self.speculative_num_steps
+        assert self.speculative_num_draft_tokens
+        return min(self.speculative_num_steps, self.speculative_num_draft_tokens - 1) + 1
+
+    @property
+    def speculative_lookahead(self) -> int:
+        """KV positions one step writes past the committed length: 0 without
+        speculative decoding, else ``num_draft_tokens`` (the verified tree)."""
+        return self.speculative_num_draft_tokens or 0 if self.speculative else 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

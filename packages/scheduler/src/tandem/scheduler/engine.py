@@ -35,6 +35,7 @@ from tandem.scheduler.models import ModelConfig, load_model, resolve_dtype
 from tandem.scheduler.request import Request
 from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingParams
 from tandem.scheduler.scheduler import Scheduler, Update
+from tandem.scheduler.speculative import TargetHandle, create_speculative_worker
 from tandem.scheduler.stop import StopChecker
 from tandem.scheduler.tokenizer import Tokenizer
 
@@ -108,7 +109,10 @@ class Engine:
         layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
         kv_pool = PagedKVPool(self._num_pages(layout), cfg.page_size, layout, self.device)
         rows = cfg.max_running_requests
-        req_pool = ReqToTokenPool(rows, self.context_length, self.device)
+        # A speculative step may map and write up to two lookaheads past the context.
+        req_pool = ReqToTokenPool(
+            rows, self.context_length + 2 * cfg.speculative_lookahead, self.device
+        )
         heads = HeadShape(
             mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
             mc.head_dim**-0.5, self.dtype,
@@ -117,15 +121,26 @@ class Engine:
         attention = create_attention_backend(
             backend, kv_pool, req_pool.req_to_token, self.device, heads
         )
+        sampler = Sampler(seed=cfg.random_seed)
+        future_map = FutureMap(rows, self.device)
+        spec = None
+        if cfg.speculative:
+            target = TargetHandle(
+                model, mc, attention, req_pool, kv_pool, future_map, sampler,
+                self.device, self.dtype,
+            )  # fmt: skip
+            spec = create_speculative_worker(cfg, target)
+            future_map.declare(*spec.relay_fields)
         runner = ModelRunner(
             model=model,
             req_pool=req_pool,
             kv_pool=kv_pool,
             attention=attention,
-            sampler=Sampler(seed=cfg.random_seed),
+            sampler=sampler,
             penalties=PenaltyState(rows, mc.vocab_size, self.device),
-            future_map=FutureMap(rows, self.device),
+            future_map=future_map,
             stream=create_stream(self.device, name="tandem-forward"),
+            spec=spec,
         )
         self.attention_backend = backend
         return Scheduler(
@@ -228,6 +243,7 @@ class Engine:
             "device_busy_s": timeline.busy_s,
             "device_idle_s": timeline.idle_s,
             "device_idle_fraction": timeline.idle_fraction,
+            "avg_spec_accept_length": s.counters.avg_spec_accept_length,
         }
 
     def shutdown(self) -> None:
@@ -283,6 +299,14 @@ class Engine:
         if stream and parsed[0].params.n > 1:
             raise ValueError("stream=True takes n=1")
         rids = self._request_ids(rid, parsed)
+        spec = self.scheduler.runner.spec
+        for i, (item, want_lp, top) in enumerate(zip(parsed, logprob, top_n, strict=True)):
+            if spec is None:
+                break
+            try:
+                spec.check_request(item.params, bool(want_lp or item.params.return_logprob or top))
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
         waiters = []
         for item, want_lp, top, ids in zip(parsed, logprob, top_n, rids, strict=True):
             for copy, request_id in zip(_copies(item), ids, strict=True):
@@ -331,7 +355,7 @@ class Engine:
             params.validate(vocab, context_len=self.context_length, prompt_len=len(ids))
         except ValueError as exc:
             raise ValueError(f"request {index}: {exc}") from None
-        need = len(ids) + params.max_new_tokens
+        need = len(ids) + params.max_new_tokens + 2 * self.config.speculative_lookahead
         if need > self.scheduler.kv_pool.capacity_tokens:
             raise ValueError(
                 f"request {index}: prompt + max_new_tokens = {need} tokens exceeds the KV "
@@ -433,6 +457,8 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
         }
+        if self.config.speculative:
+            meta["spec_verify_ct"] = req.spec_verify_ct
         if req.return_logprob:
             meta["output_token_logprobs"] = [
                 (lp, tok, None)

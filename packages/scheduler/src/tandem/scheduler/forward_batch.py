@@ -19,11 +19,14 @@ import torch
 class ForwardMode(enum.Enum):
     """PREFILL (extend): new tokens after a cached prefix, several per request.
     DECODE: exactly one new token per request. MIXED: a prefill batch with decode
-    requests riding along (one token each), prefill requests first."""
+    requests riding along (one token each), prefill requests first. SPEC_DECODE: a
+    speculative step (draft, verify, draft-extend) run by the speculative worker,
+    which plans its own attention."""
 
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
+    SPEC_DECODE = "spec_decode"
 
 
 @dataclass

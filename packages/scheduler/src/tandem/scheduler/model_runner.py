@@ -14,7 +14,7 @@ import torch
 
 from tandem.futuremap import Event, FutureMap, Stream, Work
 from tandem.scheduler.attention import AttentionBackend
-from tandem.scheduler.forward_batch import ForwardBatch
+from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.models import CausalLM
 from tandem.scheduler.sampling import (
@@ -25,6 +25,7 @@ from tandem.scheduler.sampling import (
     SamplingParams,
 )
 from tandem.scheduler.schedule_batch import ScheduledBatch
+from tandem.scheduler.speculative import PrefillDraftInput, SpecDecodeInput, SpeculativeWorker
 from tandem.scheduler.timeline import Timeline
 
 
@@ -54,9 +55,12 @@ class SamplingSpec:
 class StepResult:
     """Host copies of one batch's outputs, valid after its copy-done event.
 
-    Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled)."""
+    Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled). After
+    a speculative step ``next_token_ids`` is ``[B, max_accept]`` and ``accept_lens``
+    says how many of each row's tokens count."""
 
     next_token_ids: torch.Tensor
+    accept_lens: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     top_logprob_values: torch.Tensor | None = None
     top_logprob_ids: torch.Tensor | None = None
@@ -90,6 +94,7 @@ class ModelRunner:
         penalties: PenaltyState,
         future_map: FutureMap,
         stream: Stream,
+        spec: SpeculativeWorker | None = None,
     ) -> None:
         self.model = model
         self.req_pool = req_pool
@@ -101,6 +106,7 @@ class ModelRunner:
         self.stream = stream
         self.device = future_map.device
         self.timeline = Timeline(self.device)
+        self.spec = spec
 
     def launch(
         self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool = False
@@ -162,20 +168,77 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
         self._write_tables(batch)
+        if batch.mode is ForwardMode.SPEC_DECODE:
+            return self._spec_step(batch, sampling)
         fb = self._forward_batch(batch)
         self.attention.plan(fb)
-        hidden = self.model(fb.input_ids, fb.positions, self.attention)
-        if not batch.sample_indices or sampling is None:
-            return StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
-        info = sampling.build(self.device)
-        last = fb.last_token_indices.index_select(0, self._tensor(batch.sample_indices))
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        out = self.sampler.sample(logits, info, self.penalties)
-        rows = self._tensor(batch.sample_rows)
-        self.future_map.stash(rows, out.next_token_ids)
-        if info.need_penalties:
-            self.penalties.record(rows, out.next_token_ids)
-        return self._to_host(out, logits if batch.return_logits else None)
+        capture = self.spec.capture_layers if self.spec is not None else ()
+        hidden, captured = self.model.forward_capture(
+            fb.input_ids, fb.positions, self.attention, capture
+        )
+        next_ids = None
+        result = StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+        if batch.sample_indices and sampling is not None:
+            info = sampling.build(self.device)
+            last = fb.last_token_indices.index_select(0, self._tensor(batch.sample_indices))
+            logits = self.model.compute_logits(hidden.index_select(0, last))
+            out = self.sampler.sample(logits, info, self.penalties)
+            next_ids = out.next_token_ids
+            rows = self._tensor(batch.sample_rows)
+            self.future_map.stash(rows, next_ids)
+            if info.need_penalties:
+                self.penalties.record(rows, next_ids)
+            result = self._to_host(out, logits if batch.return_logits else None)
+        if self.spec is not None:
+            features = torch.cat(captured, dim=-1) if captured else hidden
+            self._draft_after_prefill(batch, fb, features, next_ids)
+        return result
+
+    def _draft_after_prefill(
+        self,
+        batch: ScheduledBatch,
+        fb: ForwardBatch,
+        features: torch.Tensor,
+        sampled: torch.Tensor | None,
+    ) -> None:
+        """Hand the prefill to the speculative worker: the chunk's tokens shifted by
+        one (the draft at position p reads token p + 1), the sampled tokens at the end
+        of completed prompts."""
+        assert self.spec is not None
+        last = fb.last_token_indices
+        next_ids = torch.empty_like(fb.input_ids)
+        next_ids[:-1] = fb.input_ids[1:]
+        next_ids.index_copy_(0, last, self._tensor(batch.next_tokens))
+        sample_last = last.index_select(0, self._tensor(batch.sample_indices))
+        if sampled is not None:
+            next_ids.index_copy_(0, sample_last, sampled)
+        seq_lens = batch.seq_lens
+        self.spec.extend_after_prefill(
+            PrefillDraftInput(
+                batch=fb,
+                next_ids=next_ids,
+                features=features,
+                sample_rows=self._tensor(batch.sample_rows),
+                sample_last=sample_last,
+                sample_seq_lens=[seq_lens[i] for i in batch.sample_indices],
+            )
+        )
+
+    def _spec_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
+        assert self.spec is not None
+        assert sampling is not None
+        out = self.spec.decode(
+            SpecDecodeInput(
+                rows=self._tensor(batch.rows),
+                bounds=list(batch.spec_bounds),
+                sampling=sampling.build(self.device),
+                steps=list(batch.spec_steps),
+            )
+        )
+        return StepResult(
+            next_token_ids=out.tokens.to("cpu", non_blocking=True),
+            accept_lens=out.accept_lens.to("cpu", non_blocking=True),
+        )
 
     @staticmethod
     def _to_host(out: SampleOutput, logits: torch.Tensor | None) -> StepResult:

@@ -48,6 +48,12 @@ class Request:
     counts sampling steps launched, ``output_ids`` the tokens received so far, and
     ``in_flight`` the launched batches holding this request whose results the host has
     not processed yet. Its row and pages are released only when ``in_flight`` is 0.
+
+    With speculative decoding a step commits a number of tokens the host learns one
+    step late: ``kv_len`` is then an upper bound (each launched step adds the most it
+    can commit, processing takes back what it did not), ``spec_committed`` the
+    processed truth, ``spec_verify_ct`` the steps processed, ``spec_launched`` the
+    steps launched.
     """
 
     rid: str
@@ -74,6 +80,9 @@ class Request:
     retracting: bool = False
     admit_seq: int = 0
     fill_ids: list[int] = field(default_factory=list)
+    spec_committed: int = 0
+    spec_verify_ct: int = 0
+    spec_launched: int = 0
 
     def __post_init__(self) -> None:
         if not self.fill_ids:

@@ -50,6 +50,12 @@ class ScheduledBatch:
             the host keeps changing while the batch waits on the forward stream.
         finishing: requests that end with this batch without sampling (a prefill with
             ``max_new_tokens == 0``).
+        next_tokens: speculative prefill only: per request, the token after its chunk
+            (the next prompt token; for a request that samples now, the sampled token
+            replaces it on the device), so the draft can run over the chunk shifted.
+        spec_bounds: speculative decode only: per request, an upper bound of its
+            committed length when the step starts.
+        spec_steps: speculative decode only: per request, steps it launched before.
     """
 
     mode: ForwardMode
@@ -68,6 +74,9 @@ class ScheduledBatch:
     return_logits: bool = False
     rows: list[int] = field(default_factory=list)
     finishing: list[Request] = field(default_factory=list)
+    next_tokens: list[int] = field(default_factory=list)
+    spec_bounds: list[int] = field(default_factory=list)
+    spec_steps: list[int] = field(default_factory=list)
 
     @property
     def sample_rows(self) -> list[int]:

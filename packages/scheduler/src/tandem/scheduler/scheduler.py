@@ -20,6 +20,13 @@ stream. Three consequences are handled here, each in one place:
   a new request are then written only by later batches, after in stream order.
 * retraction: when decode runs out of KV pages, the newest requests go back to the
   queue and later prefill their prompt plus the tokens they already produced.
+
+With speculative decoding (a ``SpeculativeWorker`` in the runner) decode batches are
+speculative steps. A step commits 1 to ``max_accept`` tokens and the host learns how
+many one step late, so ``Request.kv_len`` becomes an upper bound: launching adds
+``max_accept``, processing takes back what was not committed. Each step reserves (and
+maps) KV for ``lookahead`` positions past that bound, two steps ahead of the truth the
+device reads from the FutureMap (``_add_spec_rows``).
 """
 
 from __future__ import annotations
@@ -60,6 +67,16 @@ class Counters:
     generated_tokens: int = 0
     cached_tokens: int = 0
     scheduler_s: float = 0.0
+    spec_verify_steps: int = 0
+    spec_committed_tokens: int = 0
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        """Mean tokens committed per speculative verify step (accepted drafts plus
+        the bonus token), SGLang's figure; 0 before any step."""
+        if not self.spec_verify_steps:
+            return 0.0
+        return self.spec_committed_tokens / self.spec_verify_steps
 
 
 @dataclass
@@ -86,6 +103,9 @@ class Scheduler:
         self.config = config
         self.runner = runner
         self.overlap = not config.disable_overlap_schedule
+        self.spec = config.speculative
+        self.spec_accept = config.speculative_max_accept if self.spec else 1
+        self.lookahead = config.speculative_lookahead if self.spec else 1
         self.req_pool: ReqToTokenPool = runner.req_pool
         self.kv_pool: PagedKVPool = runner.kv_pool
         self.radix = (
@@ -330,6 +350,11 @@ class Scheduler:
             index = self._append_entry(batch, req, start, n, slots)
             batch.prefill_tokens.extend(req.fill_ids[start:end])
             batch.positions.extend(range(start, end))
+            if self.spec:
+                # The draft reads the chunk shifted by one; a sampling request's sampled
+                # token replaces this on the device.
+                batch.next_tokens.append(req.fill_ids[min(end, len(req.fill_ids) - 1)])
+                req.spec_committed = end
             req.kv_len = end
             if not req.prefill_done:
                 continue
@@ -361,8 +386,44 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self._make_room_for_decode():
             return None
+        if self.spec:
+            batch = ScheduledBatch(ForwardMode.SPEC_DECODE, [], [], [])
+            return batch if self._add_spec_rows(batch) else None
         batch = ScheduledBatch(ForwardMode.DECODE, [], [], [])
         return batch if self._add_decode_rows(batch) else None
+
+    def _add_spec_rows(self, batch: ScheduledBatch) -> bool:
+        """Append every decodable request as one speculative row.
+
+        The step starts from the true committed length ``L <= bound`` (the device
+        reads it from the FutureMap) and writes KV at ``[L, L + lookahead)``, so pages
+        are reserved, and mapped in ``req_to_token`` in stream order, for every
+        position below ``bound + lookahead``: whatever the step in flight commits, this
+        one writes only into pages its request holds. Rejected positions are simply
+        overwritten by a later step.
+        """
+        added = False
+        for req in self._decodable():
+            bound = req.kv_len
+            end = bound + self.lookahead
+            if not self._reserve(req, end):
+                continue
+            assert req.row is not None
+            batch.reqs.append(req)
+            batch.rows.append(req.row)
+            batch.prefix_lens.append(bound)
+            batch.extend_lens.append(self.spec_accept)
+            batch.table_rows.extend([req.row] * (end - bound))
+            batch.table_cols.extend(range(bound, end))
+            batch.table_slots.extend(self.kv_pool.slots(req.pages, bound, end))
+            batch.sample_indices.append(len(batch.reqs) - 1)
+            batch.spec_bounds.append(bound)
+            batch.spec_steps.append(req.spec_launched)
+            req.kv_len = bound + self.spec_accept
+            req.scheduled_samples += 1  # a step yields at least one token
+            req.spec_launched += 1
+            added = True
+        return added
 
     def _add_decode_rows(self, batch: ScheduledBatch) -> bool:
         """Append every decodable request as one decode row; False if none fits."""
@@ -386,7 +447,10 @@ class Scheduler:
         False when pages only come back after a batch in flight is processed."""
         while True:
             decodable = self._decodable()
-            need = sum(1 for r in decodable if self.kv_pool.pages_for(r.kv_len + 1) > len(r.pages))
+            need = sum(
+                max(0, self.kv_pool.pages_for(r.kv_len + self.lookahead) - len(r.pages))
+                for r in decodable
+            )
             if need <= self._available_pages():
                 return True
             victims = sorted((*self.running, *self.prefilling), key=lambda r: r.admit_seq)
@@ -409,6 +473,7 @@ class Scheduler:
         req.retractions += 1
         req.fill_ids = req.prompt_ids + req.output_ids
         req.kv_len = 0
+        req.spec_committed = 0
         req.scheduled_samples = len(req.output_ids)
         self.waiting.appendleft(req)
 
@@ -418,10 +483,13 @@ class Scheduler:
         reqs = batch.sampling_reqs
         if not reqs:
             return None
+        steps = [r.scheduled_samples - 1 for r in reqs]
+        if batch.mode is ForwardMode.SPEC_DECODE:
+            steps = list(batch.spec_steps)
         return SamplingSpec(
             params=[r.params for r in reqs],
             rows=batch.sample_rows,
-            steps=[r.scheduled_samples - 1 for r in reqs],
+            steps=steps,
             return_logprob=[r.return_logprob for r in reqs],
             top_logprobs_num=[r.top_logprobs_num for r in reqs],
         )
@@ -429,6 +497,8 @@ class Scheduler:
     # -- results --------------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[Update]:
         """Append the batch's tokens, detect finishes, release what is done."""
+        if batch.mode is ForwardMode.SPEC_DECODE:
+            return self._process_spec(batch, result)
         updates: list[Update] = []
         tokens = result.next_token_ids.tolist()
         for k, i in enumerate(batch.sample_indices):
@@ -450,11 +520,47 @@ class Scheduler:
             self._maybe_release(req)
         return updates
 
-    def _append(self, req: Request, token: int, result: StepResult, k: int) -> Update:
+    def _process_spec(self, batch: ScheduledBatch, result: StepResult) -> list[Update]:
+        """A speculative step's results: per row, the committed tokens (accepted
+        drafts, then the bonus), appended one by one until the request finishes."""
+        updates: list[Update] = []
+        assert result.accept_lens is not None
+        tokens = result.next_token_ids.tolist()
+        counts = result.accept_lens.tolist()
+        for k, req in enumerate(batch.reqs):
+            if req.finished:
+                self.counters.overshoot_steps += 1
+                continue
+            n = int(counts[k])
+            req.spec_verify_ct += 1
+            req.spec_committed += n
+            req.kv_len -= self.spec_accept - n  # the bound shrinks to what was committed
+            req.scheduled_samples += n - 1
+            self.counters.spec_verify_steps += 1
+            self.counters.spec_committed_tokens += n
+            update = Update(req)
+            for token in tokens[k][:n]:
+                update.new_ids.append(int(token))
+                self._record_token(req, int(token))
+                req.finish = self._finish_after(req, int(token))
+                if req.finish is not None:
+                    self._leave(req)
+                    update.finished = True
+                    break
+            updates.append(update)
+        for req in batch.reqs:
+            req.in_flight -= 1
+            self._maybe_release(req)
+        return updates
+
+    def _record_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         self.counters.generated_tokens += 1
+
+    def _append(self, req: Request, token: int, result: StepResult, k: int) -> Update:
+        self._record_token(req, token)
         if req.return_logprob and result.logprobs is not None:
             req.output_logprobs.append(float(result.logprobs[k]))
             if req.top_logprobs_num and result.top_logprob_values is not None:
@@ -505,6 +611,9 @@ class Scheduler:
         return True
 
     def _free(self, req: Request) -> None:
+        if self.spec:
+            # Positions past the processed truth hold rejected or overshoot KV.
+            req.kv_len = req.spec_committed
         if self.radix is not None:
             # Everything below kv_len was computed: share it with later requests.
             seq = (req.prompt_ids + req.output_ids)[: req.kv_len]

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tandem.scheduler.tokenizer import Tokenizer
 from tandem.server import openapi_schemas, parsing
 from tandem.server.errors import APIError, error_body, install_handlers
 from tandem.server.generation import (
     Choice,
+    ClosingStreamingResponse,
     Event,
     as_api_error,
     collect,
@@ -338,7 +339,9 @@ async def _respond(
             yield frame([], _usage(jobs, completion))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(until_disconnect(request, sse()), media_type="text/event-stream")
+    return ClosingStreamingResponse(
+        until_disconnect(request, sse()), media_type="text/event-stream"
+    )
 
 
 def _full_choice(st: ServerState, c: Choice, jobs: list[Job], chat: bool) -> dict[str, Any]:
@@ -418,7 +421,9 @@ async def _native(st: ServerState, request: Request, body: dict[str, Any]) -> Re
             return
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(until_disconnect(request, sse()), media_type="text/event-stream")
+    return ClosingStreamingResponse(
+        until_disconnect(request, sse()), media_type="text/event-stream"
+    )
 
 
 def _native_result(text: str, ids: list[int], c: Choice, want: bool) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("random", "shared-prefix", "sharegpt")
+WORKLOADS = ("random", "shared-prefix", "sharegpt", "text")
 
 
 @dataclass
@@ -42,7 +42,11 @@ class Workload:
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload options, shared with ``tandem bench serve`` (SGLang's names)."""
     parser.add_argument("--workload", choices=WORKLOADS, default="random")
-    parser.add_argument("--dataset-path", help="ShareGPT-format JSON (for --workload sharegpt)")
+    parser.add_argument(
+        "--dataset-path",
+        help="ShareGPT-format JSON (--workload sharegpt) or a plain text file (--workload "
+        "text: prompts are --random-input-len token windows of it at seeded offsets)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
     parser.add_argument("--random-input-len", type=int, default=256, help="(default: 256)")
     parser.add_argument("--random-output-len", type=int, default=128, help="(default: 128)")
@@ -79,7 +83,29 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="also run the workload through Hugging Face transformers' batched generate",
     )
     parser.add_argument("--output-json", help="write the figures to this file")
+    add_speculative_arguments(parser)
     return parser
+
+
+SPECULATIVE_OPTIONS = (
+    ("speculative_algorithm", str, "EAGLE or EAGLE3: benchmark speculative decoding"),
+    ("speculative_draft_model_path", str, "the draft head's folder"),
+    ("speculative_num_steps", int, "draft forwards per step"),
+    ("speculative_eagle_topk", int, "branching of the draft tree (1: a chain)"),
+    ("speculative_num_draft_tokens", int, "tokens verified per step"),
+)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Engine's speculative options, and ``--compare-speculative``."""
+    for name, kind, text in SPECULATIVE_OPTIONS:
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+    parser.add_argument(
+        "--compare-speculative",
+        action="store_true",
+        help="also run the same engine without speculative decoding, alternating, and "
+        "report the speedup",
+    )
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -98,6 +124,8 @@ def build_workload(args: argparse.Namespace, vocab: int, tokenizer: Any, context
     n = args.num_prompts
     if args.workload == "sharegpt":
         return _sharegpt(args, tokenizer, context)
+    if args.workload == "text":
+        return _text(args, tokenizer, rng)
     in_lens = _lens(rng, args.random_input_len, args.random_range_ratio, n)
     out_lens = _lens(rng, args.random_output_len, args.random_range_ratio, n)
     prefix: list[int] = []
@@ -139,6 +167,18 @@ def _sharegpt(args: argparse.Namespace, tokenizer: Any, context: int) -> Workloa
     if not prompts:
         raise ValueError(f"no usable conversation in {args.dataset_path}")
     return Workload(prompts, out_lens)
+
+
+def _text(args: argparse.Namespace, tokenizer: Any, rng: random.Random) -> Workload:
+    """Windows of a text file: natural prompts, where a trained draft head is tested."""
+    if tokenizer is None:
+        raise ValueError("--workload text needs a model with a tokenizer")
+    ids = _encode(tokenizer, Path(args.dataset_path).read_text(encoding="utf-8"))
+    size = args.random_input_len
+    if len(ids) <= size:
+        raise ValueError(f"{args.dataset_path} holds {len(ids)} tokens, fewer than one prompt")
+    starts = [rng.randrange(len(ids) - size) for _ in range(args.num_prompts)]
+    return Workload([ids[i : i + size] for i in starts], [args.random_output_len] * len(starts))
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -210,6 +250,8 @@ def run_engine(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
     if errors:
         raise RuntimeError("a benchmark request failed") from errors[0]
     after = engine.get_server_info()
+    verify = after["spec_verify_steps"] - before["spec_verify_steps"]
+    committed = after["spec_committed_tokens"] - before["spec_committed_tokens"]
 
     ttfts, itls, tpots, out_tokens = [], [], [], []
     for i in range(n):
@@ -225,7 +267,7 @@ def run_engine(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
             tpots.append((chunks[-1][0] - chunks[0][0]) / (tokens - 1))
     busy = after["device_busy_s"] - before["device_busy_s"]
     idle = after["device_idle_s"] - before["device_idle_s"]
-    return _result(
+    result = _result(
         workload,
         duration,
         out_tokens,
@@ -235,6 +277,10 @@ def run_engine(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
         idle / (busy + idle) if busy + idle > 0 else 0.0,
         after["overshoot_steps"] - before["overshoot_steps"],
     )
+    if verify:
+        result["spec_verify_steps"] = verify
+        result["spec_accept_length"] = committed / verify
+    return result
 
 
 def _result(
@@ -330,6 +376,8 @@ _ROWS = (
     ("p99_tpot_ms", "TPOT p99 (ms)", "{:.2f}"),
     ("device_idle_fraction", "device idle", "{:.1%}"),
     ("overshoot_steps", "overshoot steps", "{}"),
+    ("spec_accept_length", "accept length", "{:.2f}"),
+    ("speedup", "speedup", "{:.2f}x"),
 )
 
 
@@ -355,17 +403,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --num-prompts: must be at least 1")
     if not 0.0 <= args.random_range_ratio <= 1.0:
         parser.error("argument --random-range-ratio: must be in [0, 1]")
-    if args.workload == "sharegpt" and not args.dataset_path:
-        parser.error("argument --dataset-path: required by --workload sharegpt")
+    if args.workload in ("sharegpt", "text") and not args.dataset_path:
+        parser.error(f"argument --dataset-path: required by --workload {args.workload}")
+    spec = {name: getattr(args, name) for name, _, _ in SPECULATIVE_OPTIONS}
+    spec = {name: value for name, value in spec.items() if value is not None}
+    if args.compare_speculative and not spec:
+        parser.error("argument --compare-speculative: needs --speculative-algorithm")
+    if args.compare_speculative and args.compare_overlap:
+        parser.error("argument --compare-speculative: not with --compare-overlap")
 
     options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
-    names = ["normal", "overlap"] if args.compare_overlap else [None]
+    variants: list[tuple[str | None, dict[str, Any]]] = [(None, spec)]
+    if args.compare_overlap:
+        variants = [
+            ("normal", {**spec, "disable_overlap_schedule": True}),
+            ("overlap", spec),
+        ]
+    elif args.compare_speculative:
+        variants = [("plain", {}), ("speculative", spec)]
     engines: dict[str, Any] = {}
     try:
-        for name in names:
-            engine = Engine(
-                **options, disable_progress_bar=True, disable_overlap_schedule=name == "normal"
-            )
+        for name, extra in variants:
+            try:
+                engine = Engine(**options, disable_progress_bar=True, **extra)
+            except ValueError as exc:
+                parser.error(str(exc))
             engines[name or ("overlap" if engine.scheduler.overlap else "normal")] = engine
         first = next(iter(engines.values()))
         try:
@@ -386,6 +448,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             engine.shutdown()
     if args.compare_transformers:
         report["transformers"] = run_transformers(model_path, device, dtype, workload)
+    if args.compare_speculative:
+        base = report["plain"]["output_throughput"]
+        report["speculative"]["speedup"] = report["speculative"]["output_throughput"] / base
 
     print(
         f"workload {args.workload}: {len(workload.prompts)} requests, "

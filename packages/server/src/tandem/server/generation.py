@@ -16,6 +16,8 @@ from typing import Any
 
 import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
 from tandem.scheduler.sampling import SamplingParams
@@ -273,3 +275,22 @@ async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
         await task
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator when it ends.
+
+    When the client goes away, Starlette may cancel the response while the body
+    generator sits suspended at a ``yield``; nothing then closes it until the garbage
+    collector does, which can be never, so the jobs behind it would run to the end.
+    Closing it here, shielded from the cancellation, runs its clean-up at once.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with anyio.CancelScope(shield=True):
+                    await close()

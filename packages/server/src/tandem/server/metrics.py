@@ -41,6 +41,10 @@ class _EngineCollector(Collector):
             "kv_cached_tokens": ("KV tokens held by the radix cache", cached),
             "kv_usage": ("KV pool fraction held by requests", used / capacity if capacity else 0.0),
             "free_request_rows": ("free rows of the request pool", info.get("free_rows")),
+            "spec_accept_length": (
+                "mean tokens committed per speculative verify step (0 without speculation)",
+                info.get("avg_spec_accept_length"),
+            ),
         }  # fmt: skip
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"tandem_{name}", doc, value=float(value or 0))
@@ -51,6 +55,7 @@ class _EngineCollector(Collector):
             "forward_steps": ("batches run", "forward_steps"),
             "retracted_requests": ("requests retracted for lack of KV", "retracted_requests"),
             "aborted_requests": ("requests aborted in the scheduler", "aborted_requests"),
+            "spec_verify_steps": ("speculative verify steps", "spec_verify_steps"),
         }  # fmt: skip
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(f"tandem_{name}", doc, value=float(info.get(key) or 0))

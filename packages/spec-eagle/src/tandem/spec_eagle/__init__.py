@@ -1,9 +1,46 @@
 """tandem.spec_eagle: EAGLE speculative decoding that keeps the overlap (draft ->
-verify -> publish -> draft-extend -> stash), plugged into the scheduler through its
-speculative-worker interface; the scheduler never imports this package.
+verify -> publish -> draft-extend -> stash), chain or tree, one or several draft
+layers, EAGLE and EAGLE-3 heads in their public checkpoint formats.
 
-This layer is being built (see the spec-eagle issue); for now it only proves that it
-installs in the shared ``tandem`` namespace.
+It plugs into the scheduler through its speculative-worker interface
+(``tandem.scheduler.speculative``) under the entry-point names ``EAGLE`` and
+``EAGLE3``; the scheduler never imports this package. Turn it on with Engine options:
+
+```python
+from tandem.scheduler import Engine
+
+engine = Engine(
+    model_path="tools/eagle_pair/target",
+    speculative_algorithm="EAGLE3",
+    speculative_draft_model_path="tools/eagle_pair/eagle3",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
+```
 """
 
+from tandem.scheduler.speculative import register_speculative_algorithm
+from tandem.spec_eagle.draft_config import DraftConfig, default_aux_layers
+from tandem.spec_eagle.draft_model import EagleDraftModel, load_draft_model
+from tandem.spec_eagle.random_head import write_random_head
+from tandem.spec_eagle.worker import EagleWorker, create_worker
+
 LAYER = "spec_eagle"
+
+__all__ = [
+    "LAYER",
+    "DraftConfig",
+    "EagleDraftModel",
+    "EagleWorker",
+    "create_worker",
+    "default_aux_layers",
+    "load_draft_model",
+    "write_random_head",
+]
+
+# Explicit registration as well as the entry points: an environment that puts the
+# sources on PYTHONPATH instead of installing them (the GPU sessions) has no entry
+# points, but importing this package is then enough.
+for _name in ("EAGLE", "EAGLE3"):
+    register_speculative_algorithm(_name, create_worker)

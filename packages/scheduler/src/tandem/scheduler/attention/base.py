@@ -63,3 +63,21 @@ class AttentionBackend(ABC):
         batch's ``out_cache_loc``, then attend causally with ``q``
         (``[T, num_heads, head_dim]``) over each request's prefix plus its new tokens.
         Returns ``[T, num_heads * head_dim]``."""
+
+    def plan_masked(
+        self, kv_slots: torch.Tensor, mask: torch.Tensor, out_cache_loc: torch.Tensor
+    ) -> None:
+        """Plan a batch whose keys and mask are given explicitly (speculative
+        decoding: draft trees and tree verification).
+
+        Every one of the ``B`` requests has exactly ``Q`` new tokens, laid out request
+        after request (``[B * Q]``). ``kv_slots`` (``[B, K]`` int64) names the KV slots
+        each request's queries may read, ``mask`` (``[B, Q, K]`` bool, device data)
+        which of them each query does read; each query must see at least one key (its
+        own). The new tokens' K/V are written at ``out_cache_loc`` (``[B * Q]``) before
+        attending, so a slot listed in ``kv_slots`` may be one written now.
+        """
+        raise NotImplementedError(
+            f"the {type(self).__name__} attention backend has no custom-mask attention, "
+            "which speculative decoding needs; use attention_backend='torch'"
+        )

@@ -59,6 +59,19 @@ class TorchAttention(AttentionBackend):
         mask = torch.where(padded_query, k_pos == 0, causal).unsqueeze(1)
         self._plan = _Plan(batch.out_cache_loc, kv_slots, offsets, mask, b, max_query)
 
+    def plan_masked(
+        self, kv_slots: torch.Tensor, mask: torch.Tensor, out_cache_loc: torch.Tensor
+    ) -> None:
+        b, q, k = mask.shape
+        if tuple(kv_slots.shape) != (b, k) or out_cache_loc.numel() != b * q:
+            raise ValueError(
+                f"plan_masked: kv_slots {tuple(kv_slots.shape)}, mask {tuple(mask.shape)} "
+                f"and out_cache_loc [{out_cache_loc.numel()}] disagree"
+            )
+        # Exactly Q tokens per request: the packed layout is the padded one.
+        query_slot = torch.arange(b * q, device=mask.device)
+        self._plan = _Plan(out_cache_loc, kv_slots, query_slot, mask.unsqueeze(1), b, q)
+
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:

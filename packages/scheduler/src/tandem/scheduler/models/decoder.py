@@ -10,6 +10,8 @@ is a copy by name.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -130,14 +132,23 @@ class DecoderModel(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-norm hidden states, and the residual stream after each layer in
+        ``capture`` (EAGLE-3 drafts read those), in the order given."""
         cos, sin = self.rotary_emb(positions)
         hidden: torch.Tensor = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        outputs: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, attn)
+            if i in capture:
+                outputs[i] = hidden
         out: torch.Tensor = self.norm(hidden)
-        return out
+        return out, [outputs[i] for i in capture]
 
 
 class CausalLM(nn.Module):
@@ -170,8 +181,20 @@ class CausalLM(nn.Module):
 
         ``attn`` must already be planned for this batch (the runner does that once).
         """
-        hidden: torch.Tensor = self.model(input_ids, positions, attn)
+        hidden, _ = self.model(input_ids, positions, attn)
         return hidden
+
+    def forward_capture(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        capture: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``forward`` that also returns the residual stream after each layer in
+        ``capture`` (before the final norm), for drafts that read several layers."""
+        hidden, captured = self.model(input_ids, positions, attn, capture)
+        return hidden, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits (sampling wants float32)."""

@@ -306,6 +306,21 @@ def _filter(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
+def filtered_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, softmax, then top-k,
+    top-p and min-p, renormalised. Speculative rejection sampling verifies drafts
+    against exactly this, so it preserves what non-speculative sampling would draw."""
+    probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
+    if info.need_filters:
+        probs = _filter(probs, info)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from unnormalised ``weights`` with ``uniforms`` in [0, 1)."""
+    return _inverse_cdf(weights, uniforms)
+
+
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The first token whose cumulative weight exceeds ``u * total``.
 

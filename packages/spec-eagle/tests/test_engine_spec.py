@@ -1,0 +1,186 @@
+"""Speculative decoding through the Engine: greedy output equals non-speculative output,
+token for token, for chain and tree drafts, both loops, with radix cache, chunked
+prefill, retraction and abort; strict accounting and the consume-once checks are on
+(``TANDEM_DEBUG_FUTURES=1``) throughout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.scheduler import Engine
+
+PROMPTS = [
+    [5, 17, 33, 8, 41, 9, 60, 12],
+    [70, 3, 3, 45, 22, 19, 7, 88, 30, 31, 32, 11, 4],
+    [5, 17, 33, 8, 41, 9, 61],
+    [90],
+]
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def _engine(target: Path, **options: Any) -> Engine:
+    return Engine(model_path=str(target), dtype="float32", device="cpu", **options)
+
+
+def _spec(head: Path, steps: int = 3, topk: int = 1, ndt: int = 4) -> dict[str, Any]:
+    return {
+        "speculative_algorithm": "EAGLE" if head.name == "eagle" else "EAGLE3",
+        "speculative_draft_model_path": str(head),
+        "speculative_num_steps": steps,
+        "speculative_eagle_topk": topk,
+        "speculative_num_draft_tokens": ndt,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(target: Path) -> list[list[int]]:
+    with _engine(target) as engine:
+        return [r["output_ids"] for r in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+CASES = [
+    ("eagle3", 3, 1, 4, False),
+    ("eagle3", 3, 1, 4, True),
+    ("eagle3", 3, 2, 6, False),
+    ("eagle3", 3, 2, 6, True),
+    ("eagle3_small_vocab", 2, 3, 7, False),
+    ("eagle3_2layers", 3, 2, 5, False),
+    ("eagle", 3, 1, 4, False),
+    ("eagle", 4, 2, 8, True),
+]
+
+
+@pytest.mark.parametrize(("head", "steps", "topk", "ndt", "normal_loop"), CASES)
+def test_greedy_equals_non_speculative(
+    target: Path,
+    heads: dict[str, Path],
+    reference: list[list[int]],
+    head: str,
+    steps: int,
+    topk: int,
+    ndt: int,
+    normal_loop: bool,
+) -> None:
+    options = _spec(heads[head], steps, topk, ndt)
+    with _engine(target, disable_overlap_schedule=normal_loop, **options) as engine:
+        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        info = engine.get_server_info()
+    assert [r["output_ids"] for r in out] == reference
+    for r in out:
+        ct = r["meta_info"]["spec_verify_ct"]
+        assert isinstance(ct, int)
+        assert 1 <= ct <= GREEDY["max_new_tokens"] - 1
+    assert info["avg_spec_accept_length"] >= 1.0
+    assert info["speculative_algorithm"] == options["speculative_algorithm"]
+
+
+def test_radix_cache_and_chunked_prefill(
+    target: Path, heads: dict[str, Path], reference: list[list[int]]
+) -> None:
+    with _engine(target, chunked_prefill_size=4, **_spec(heads["eagle3"], 3, 2, 6)) as engine:
+        first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        again = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in first] == reference
+    assert [r["output_ids"] for r in again] == reference
+    assert any(r["meta_info"]["cached_tokens"] > 0 for r in again)
+
+
+def test_retraction_keeps_outputs(
+    target: Path, heads: dict[str, Path], reference: list[list[int]]
+) -> None:
+    options = _spec(heads["eagle3"], 3, 1, 4)
+    with _engine(target, max_total_tokens=96, **options) as engine:
+        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        info = engine.get_server_info()
+    assert [r["output_ids"] for r in out] == reference
+    assert info["retracted_requests"] > 0
+
+
+def test_abort_mid_stream_then_more_work(
+    target: Path, heads: dict[str, Path], reference: list[list[int]]
+) -> None:
+    with _engine(target, **_spec(heads["eagle3"], 3, 2, 6)) as engine:
+        params = {**GREEDY, "max_new_tokens": 200}
+        stream = engine.generate(input_ids=PROMPTS[1], sampling_params=params, stream=True)
+        first = next(stream)
+        engine.abort(first["meta_info"]["id"])
+        last = list(stream)[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in out] == reference
+
+
+def test_max_new_tokens_and_stop_token_cut_committed_tokens(
+    target: Path, heads: dict[str, Path], reference: list[list[int]]
+) -> None:
+    stop = reference[0][5]
+    params = [
+        {**GREEDY, "max_new_tokens": 7},
+        {**GREEDY, "stop_token_ids": [stop]},
+    ]
+    with _engine(target, **_spec(heads["eagle3"], 3, 2, 6)) as engine:
+        out = engine.generate(input_ids=[PROMPTS[0], PROMPTS[0]], sampling_params=params)
+    assert out[0]["output_ids"] == reference[0][:7]
+    cut = reference[0].index(stop) + 1
+    assert out[1]["output_ids"] == reference[0][:cut]
+    assert out[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_sampled_requests_run_and_seeds_repeat(target: Path, heads: dict[str, Path]) -> None:
+    params = {
+        "max_new_tokens": 16,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "seed": 11,
+        "ignore_eos": True,
+    }
+    with _engine(target, **_spec(heads["eagle3"], 3, 2, 6)) as engine:
+        a = engine.generate(input_ids=PROMPTS[:2], sampling_params=params)
+        b = engine.generate(input_ids=PROMPTS[:2], sampling_params=params)
+    assert [r["output_ids"] for r in a] == [r["output_ids"] for r in b]
+    assert all(len(r["output_ids"]) == 16 for r in a)
+
+
+def test_unsupported_requests_are_refused(target: Path, heads: dict[str, Path]) -> None:
+    with _engine(target, **_spec(heads["eagle3"])) as engine:
+        with pytest.raises(ValueError, match="penalties"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params={"frequency_penalty": 0.5})
+        with pytest.raises(ValueError, match="logprobs"):
+            engine.generate(input_ids=PROMPTS[0], return_logprob=True)
+        out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"speculative_algorithm": "EAGLE3"}, "speculative_draft_model_path"),
+        ({"speculative_num_steps": 3}, "needs speculative_algorithm"),
+        (
+            {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x",
+             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6},
+            r"speculative_num_draft_tokens must be in \[2, 4\]",
+        ),
+        (
+            {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x",
+             "enable_mixed_chunk": True},
+            "enable_mixed_chunk",
+        ),
+        (
+            {"speculative_algorithm": "MEDUSA", "speculative_draft_model_path": "x"},
+            "is not available",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_options(target: Path, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _engine(target, **options)
+
+
+def test_algorithm_must_match_the_checkpoint(target: Path, heads: dict[str, Path]) -> None:
+    options = {**_spec(heads["eagle3"]), "speculative_algorithm": "EAGLE"}
+    with pytest.raises(ValueError, match="the draft checkpoint is EAGLE3"):
+        _engine(target, **options)
