@@ -47,14 +47,21 @@ def _children(tree: DraftTree, cur: torch.Tensor) -> torch.Tensor:
     return (tree.parents == cur.unsqueeze(1)) & not_root
 
 
+def _walk_start(
+    b: int, max_accept: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every walk starts at the root, alive, nothing accepted, the path all root."""
+    return (
+        torch.zeros(b, dtype=torch.int64, device=device),
+        torch.ones(b, dtype=torch.bool, device=device),
+        torch.zeros(b, dtype=torch.int64, device=device),
+        torch.zeros(b, max_accept, dtype=torch.int64, device=device),
+    )
+
+
 def accept_greedy(tree: DraftTree, target_ids: torch.Tensor, max_accept: int) -> Accepted:
     """``target_ids`` ``[B, N]``: the target's argmax at every node."""
-    b = target_ids.shape[0]
-    device = target_ids.device
-    cur = torch.zeros(b, dtype=torch.int64, device=device)
-    alive = torch.ones(b, dtype=torch.bool, device=device)
-    count = torch.zeros(b, dtype=torch.int64, device=device)
-    path = torch.zeros(b, max_accept, dtype=torch.int64, device=device)
+    cur, alive, count, path = _walk_start(target_ids.shape[0], max_accept, target_ids.device)
     for depth in range(1, max_accept):
         want = target_ids.gather(1, cur.unsqueeze(1))
         match = _children(tree, cur) & (tree.tokens == want)
@@ -72,12 +79,8 @@ def accept_sampled(
     """``probs`` ``[B, N, V]``: the target distribution at every node; ``uniforms``
     ``[B, (max_accept - 1) * topk + 1]`` float64 in [0, 1) (one per sibling trial, the
     last for the bonus draw)."""
-    b = probs.shape[0]
-    device = probs.device
-    cur = torch.zeros(b, dtype=torch.int64, device=device)
-    alive = torch.ones(b, dtype=torch.bool, device=device)
-    count = torch.zeros(b, dtype=torch.int64, device=device)
-    path = torch.zeros(b, max_accept, dtype=torch.int64, device=device)
+    b, device = probs.shape[0], probs.device
+    cur, alive, count, path = _walk_start(b, max_accept, device)
     residual = probs[:, 0].clone()
     trial = 0
     for depth in range(1, max_accept):
