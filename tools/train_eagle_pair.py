@@ -9,12 +9,14 @@ predictable) and a draft head trained on that target's hidden states (so it gues
    tokenizer. Saved as a Hugging Face folder that ``tandem.scheduler.Engine`` loads.
 2. Draft: an EAGLE-3 head (one decoder layer over ``[embedding, hidden]``, fed with three
    of the target's intermediate residual streams) distilled from the target's greedy
-   predictions with a 3-step "training-time test" unroll, the way it is used at inference.
+   predictions with a 3-step "training-time test" unroll, the way it is used at inference,
+   on the training text and on text the target generated itself.
 3. Check: on held-out text, a greedy chain speculative decode (3 draft tokens, verified by
    the target) reports the mean accept length (generated tokens per verify step, at most 4).
 
 Weights are written in bfloat16 (safetensors); every run with the same seed, step counts
-and thread count writes the same weights. Budget: about 12 minutes on 2 CPU cores.
+and thread count writes the same weights. It takes about 11.5 minutes on an idle
+2-core machine (``--max-minutes`` is a safety net for a busy one).
 
 Run from the repository root with the dev virtual environment::
 
@@ -85,17 +87,26 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--seq-len", type=int, default=256, help="training window, tokens")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--target-steps", type=int, default=800, help="target optimizer steps")
+    parser.add_argument("--target-steps", type=int, default=400, help="target optimizer steps")
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-steps", type=int, default=500, help="draft optimizer steps")
-    parser.add_argument("--draft-lr", type=float, default=2e-3)
+    parser.add_argument("--draft-lr", type=float, default=4e-3)
+    parser.add_argument(
+        "--self-distill",
+        type=int,
+        default=256,
+        help="extra draft training windows written by the target itself (greedy "
+        "continuations of training-text prompts), the text the draft sees at inference",
+    )
     parser.add_argument(
         "--max-minutes",
         type=float,
-        default=None,
-        help="stop each training phase early once the run has used this much of its time "
-        "budget (split 55/45 between target and draft); the step counts, not the clock, "
-        "decide the weights unless this cuts in, so leave it unset for reproducible runs",
+        default=14.0,
+        help="safety net for a busy machine: the target stops early past 55%% of this "
+        "budget, the draft one minute before its end (time left to check and save). "
+        "An idle 2-core machine needs about 11.5 minutes, so the default never cuts in "
+        "and the step counts alone decide the weights; a run it cuts short says so and "
+        "is not reproducible. 0 disables it",
     )
     parser.add_argument("--eval-prompts", type=int, default=24, help="spec-decode prompts")
     parser.add_argument("--eval-new-tokens", type=int, default=96)
@@ -234,6 +245,27 @@ def target_pass(model: LlamaForCausalLM, ids: torch.Tensor) -> tuple[torch.Tenso
     # hidden_states[0] is the embedding output, hidden_states[i + 1] layer i's output.
     aux = torch.cat([out.hidden_states[i + 1] for i in AUX_LAYERS], dim=-1)
     return out.logits.argmax(-1), aux.float()
+
+
+@torch.no_grad()
+def self_distill_windows(
+    model: LlamaForCausalLM, train_ids: torch.Tensor, args: argparse.Namespace, config: dict
+) -> torch.Tensor:
+    """``args.self_distill`` windows: 32 training tokens, then the target's greedy text."""
+    if args.self_distill <= 0:
+        return torch.empty(0, args.seq_len, dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed + 4)
+    prompts = random_windows(train_ids, args.self_distill, 32, gen)
+    new = args.seq_len - prompts.shape[1]
+    out = model.generate(
+        input_ids=prompts,
+        attention_mask=torch.ones_like(prompts),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        pad_token_id=config["eos_token_id"],
+    )
+    return out[:, : args.seq_len]
 
 
 def save_target(model: LlamaForCausalLM, config: dict[str, Any], tokenizer: Any, folder: Path):
@@ -650,7 +682,7 @@ def main() -> None:
     # Denormal floats (tiny Adam moments, softmax tails) slow x86 arithmetic tenfold.
     torch.set_flush_denormal(True)
     torch.manual_seed(args.seed)
-    budget = None if args.max_minutes is None else args.max_minutes * 60.0
+    budget = args.max_minutes * 60.0 if args.max_minutes > 0 else None
     tokenizer, train_ids, eval_ids = load_tokens(args.text)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     log(f"text: {len(train_ids)} training tokens, {len(eval_ids)} held out; vocab {vocab}")
@@ -672,9 +704,15 @@ def main() -> None:
     save_target(target, config, tokenizer, args.output / "target")
     log(f"saved {args.output / 'target'}")
 
-    # 2. Draft data: target features and greedy labels over the training text.
+    # 2. Draft data: target features and greedy labels over the training text (two tilings)
+    # and over the target's own greedy continuations.
+    half = args.seq_len // 2
     tokens = torch.cat(
-        [tiled_windows(train_ids, args.seq_len), tiled_windows(train_ids, args.seq_len, 128)]
+        [
+            tiled_windows(train_ids, args.seq_len),
+            tiled_windows(train_ids, args.seq_len, half),
+            self_distill_windows(target, train_ids, args, config),
+        ]
     )
     greedy_parts, aux_parts = [], []
     for i in range(0, len(tokens), 32):
@@ -692,9 +730,13 @@ def main() -> None:
     # 3. Draft.
     torch.manual_seed(args.seed + 10)
     draft = Eagle3Draft()
+    with torch.no_grad():
+        # Warm start: the target's own output head (draft-vocabulary rows) and final norm.
+        draft.lm_head.weight.copy_(target.lm_head.weight[torch.arange(DRAFT_VOCAB) + d2t])
+        draft.norm.weight.copy_(target.model.norm.weight)
     embed = target.get_input_embeddings()
     log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
-    deadline = None if budget is None else _START + budget
+    deadline = None if budget is None else _START + budget - 60.0
     train_draft(args, draft, embed, tokens, aux, labels, deadline)
     for p in draft.parameters():
         p.requires_grad_(False)
