@@ -190,7 +190,9 @@ class EngineConfig:
     def speculative_lookahead(self) -> int:
         """KV positions one step writes past the committed length: 0 without
         speculative decoding, else ``num_draft_tokens`` (the verified tree)."""
-        return self.speculative_num_draft_tokens or 0 if self.speculative else 0
+        if not self.speculative or self.speculative_num_draft_tokens is None:
+            return 0
+        return self.speculative_num_draft_tokens
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

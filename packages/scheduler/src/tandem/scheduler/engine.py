@@ -299,14 +299,7 @@ class Engine:
         if stream and parsed[0].params.n > 1:
             raise ValueError("stream=True takes n=1")
         rids = self._request_ids(rid, parsed)
-        spec = self.scheduler.runner.spec
-        for i, (item, want_lp, top) in enumerate(zip(parsed, logprob, top_n, strict=True)):
-            if spec is None:
-                break
-            try:
-                spec.check_request(item.params, bool(want_lp or item.params.return_logprob or top))
-            except ValueError as exc:
-                raise ValueError(f"request {i}: {exc}") from None
+        self._check_speculative(parsed, logprob, top_n)
         waiters = []
         for item, want_lp, top, ids in zip(parsed, logprob, top_n, rids, strict=True):
             for copy, request_id in zip(_copies(item), ids, strict=True):
@@ -321,6 +314,19 @@ class Engine:
                 waiters.append(waiter)
                 self._inbox.put(("add", req))
         return single and len(waiters) == 1, waiters
+
+    def _check_speculative(
+        self, parsed: list[_Parsed], logprob: list[Any], top_n: list[int]
+    ) -> None:
+        """Refuse what the speculative worker cannot serve, before anything is queued."""
+        spec = self.scheduler.runner.spec
+        if spec is None:
+            return
+        for i, (item, want_lp, top) in enumerate(zip(parsed, logprob, top_n, strict=True)):
+            try:
+                spec.check_request(item.params, bool(want_lp or item.params.return_logprob or top))
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
 
     def _prompt_ids(self, prompt: Prompt, input_ids: InputIds) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):

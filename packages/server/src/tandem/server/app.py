@@ -345,36 +345,34 @@ async def _respond(
 
 
 def _full_choice(st: ServerState, c: Choice, jobs: list[Job], chat: bool) -> dict[str, Any]:
+    body = {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
     want = jobs[0].return_logprob
-    if chat:
-        return {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": _chat_logprobs(st, c.logprobs, c.top_logprobs) if want else None,
-            "finish_reason": c.finish_reason,
-        }
-    return {
-        "index": c.index,
-        "text": c.text,
-        "logprobs": _completion_logprobs(st, c.logprobs, c.top_logprobs) if want else None,
-        "finish_reason": c.finish_reason,
-    }
+    return _choice(st, c.index, body, c.logprobs, c.top_logprobs, want, c.finish_reason, chat)
 
 
 def _delta_choice(st: ServerState, e: Event, chat: bool) -> dict[str, Any]:
+    body = {"delta": {"content": e.text} if e.text else {}} if chat else {"text": e.text}
     want = bool(e.logprobs)
-    if chat:
-        return {
-            "index": e.index,
-            "delta": {"content": e.text} if e.text else {},
-            "logprobs": _chat_logprobs(st, e.logprobs, e.top_logprobs) if want else None,
-            "finish_reason": e.finish_reason,
-        }
+    return _choice(st, e.index, body, e.logprobs, e.top_logprobs, want, e.finish_reason, chat)
+
+
+def _choice(
+    st: ServerState,
+    index: int,
+    body: dict[str, Any],
+    logprobs: Any,
+    top_logprobs: Any,
+    want: bool,
+    finish_reason: Any,
+    chat: bool,
+) -> dict[str, Any]:
+    """One choice of a response or a chunk: index, content, logprobs, finish reason."""
+    render = _chat_logprobs if chat else _completion_logprobs
     return {
-        "index": e.index,
-        "text": e.text,
-        "logprobs": _completion_logprobs(st, e.logprobs, e.top_logprobs) if want else None,
-        "finish_reason": e.finish_reason,
+        "index": index,
+        **body,
+        "logprobs": render(st, logprobs, top_logprobs) if want else None,
+        "finish_reason": finish_reason,
     }
 
 

@@ -47,7 +47,8 @@ class DraftConfig:
         aux_layers: EAGLE-3 only: target layers whose outputs are captured, in order.
         draft_vocab_size: rows of the head's ``lm_head`` (the target vocabulary for
             EAGLE, which uses the target's head).
-        fc_bias: whether ``fc`` has a bias (some EAGLE-1 heads do).
+        fc_bias: whether ``fc`` has a bias (some EAGLE-1 heads do); the loader sets
+            it from the checkpoint's tensors.
     """
 
     algorithm: str
@@ -65,7 +66,7 @@ class DraftConfig:
     draft_vocab_size: int
     aux_layers: tuple[int, ...]
     attention_bias: bool
-    fc_bias: bool
+    fc_bias: bool = False
 
     @classmethod
     def from_dict(
@@ -74,7 +75,6 @@ class DraftConfig:
         target: ModelConfig,
         *,
         algorithm: str | None = None,
-        fc_bias: bool = False,
     ) -> DraftConfig:
         """Parse ``config.json``; ``algorithm`` (the engine option) must agree with the
         checkpoint's architecture. Shapes the target dictates are checked against it."""
@@ -128,7 +128,6 @@ class DraftConfig:
             draft_vocab_size=draft_vocab,
             aux_layers=aux,
             attention_bias=bool(d.get("attention_bias", False)),
-            fc_bias=fc_bias,
         )
 
     @classmethod

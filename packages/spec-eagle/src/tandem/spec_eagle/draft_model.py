@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -161,16 +162,17 @@ class EagleDraftModel(nn.Module):
         return draft_ids + d2t[draft_ids]
 
 
-def _mlp_config(config: DraftConfig) -> object:
-    """The three fields ``MLP`` reads, from a draft config."""
+@dataclasses.dataclass(frozen=True)
+class _MLPShape:
+    """The three fields ``MLP`` reads of a model config."""
 
-    @dataclasses.dataclass(frozen=True)
-    class _Shape:
-        hidden_size: int
-        intermediate_size: int
-        mlp_bias: bool = False
+    hidden_size: int
+    intermediate_size: int
+    mlp_bias: bool = False
 
-    return _Shape(config.hidden_size, config.intermediate_size)
+
+def _mlp_config(config: DraftConfig) -> Any:
+    return _MLPShape(config.hidden_size, config.intermediate_size)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ def read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"draft checkpoint {folder} has no *.safetensors or pytorch_model.bin")
 
 
-def _normalize_names(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+def _normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Accept the layouts public heads use: a ``model.`` prefix, and an EAGLE-3 first
     layer called ``midlayer`` or ``layers.0``."""
     out: dict[str, torch.Tensor] = {}
@@ -222,7 +224,7 @@ def load_draft_model(
     Missing or mis-shaped tensors are one error listing them all."""
     path = Path(folder)
     config = DraftConfig.from_pretrained(path, target.config, algorithm=algorithm)
-    tensors = _normalize_names(read_checkpoint(path), config.num_hidden_layers)
+    tensors = _normalize_names(read_checkpoint(path))
     config = dataclasses.replace(config, fc_bias="fc.bias" in tensors)
     if config.algorithm == "EAGLE3" and "d2t" not in tensors and "lm_head.weight" in tensors:
         rows = tensors["lm_head.weight"].shape[0]

@@ -129,15 +129,19 @@ class EagleWorker:
         root = fm.resolve_tokens(rows)
         relay = fm.resolve_relay(rows, "topk_p", "topk_index", "hidden_states")
         span = max(data.bounds)  # no row's committed length exceeds it
-        tree = self._draft_tree(rows, seq_lens, span, root, relay)
-        logits, features = self._verify(rows, seq_lens, span, tree)
+        # The rows' slot table, gathered once per step: every piece below reads it,
+        # and no write to it is queued inside the step.
+        table = self.target.req_pool.req_to_token.index_select(0, rows)
+        table = table[:, : span + self.lookahead].long()
+        tree = self._draft_tree(rows, table, seq_lens, span, root, relay)
+        logits, features = self._verify(table, seq_lens, span, tree)
         accepted = self._accept(tree, logits, data)
         new_lens = seq_lens + accepted.num_accepted + 1
         fm.publish(rows, new_lens)
         if self.topk > 1:
-            self._move_accepted_kv(rows, seq_lens, accepted)
+            self._move_accepted_kv(table, seq_lens, accepted)
         tokens = self._committed_tokens(tree, accepted)
-        hidden, topk_p, topk_index = self._extend(rows, seq_lens, span, tokens, features, accepted)
+        hidden, topk_p, topk_index = self._extend(table, seq_lens, span, tokens, features, accepted)
         fm.stash(rows, accepted.bonus, topk_p=topk_p, topk_index=topk_index, hidden_states=hidden)
         return SpecDecodeOutput(tokens=tokens, accept_lens=accepted.num_accepted + 1)
 
@@ -148,18 +152,16 @@ class EagleWorker:
         values, index = torch.topk(probs, self.topk, dim=-1)
         return values, self.draft.to_target_ids(index)
 
-    def _prefix_slots(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        return self.target.req_pool.req_to_token.index_select(0, rows)[:, :width].long()
-
-    def _position_slots(self, rows: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
+    @staticmethod
+    def _position_slots(table: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
         """``[B, count]`` KV slots of positions ``start .. start + count - 1``."""
-        table = self.target.req_pool.req_to_token.index_select(0, rows)
         cols = start.unsqueeze(1) + torch.arange(count, device=start.device)
-        return table.gather(1, cols).long()
+        return table.gather(1, cols)
 
     def _draft_tree(
         self,
         rows: torch.Tensor,
+        table: torch.Tensor,
         seq_lens: torch.Tensor,
         span: int,
         root: torch.Tensor,
@@ -177,7 +179,7 @@ class EagleWorker:
         next_id = k + 1
         scratch = self.kv.scratch_slots(rows)  # [B, S]
         seen = torch.zeros(b, k, scratch.shape[1], dtype=torch.bool, device=device)
-        prefix = self._prefix_slots(rows, span)
+        prefix = table[:, :span]
         visible_prefix = torch.arange(span, device=device) < seq_lens.unsqueeze(1)  # [B, P]
         for depth in range(1, self.num_steps):
             # The beam (k nodes at this depth) runs at draft position L + depth - 1.
@@ -223,11 +225,11 @@ class EagleWorker:
         return select_tree(root, cands, self.num_draft_tokens, self.num_steps)
 
     def _verify(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor, span: int, tree: DraftTree
+        self, table: torch.Tensor, seq_lens: torch.Tensor, span: int, tree: DraftTree
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over the tree: ``[B, N, V]`` logits, ``[B, N, F]`` features."""
         b, n = tree.tokens.shape
-        device = rows.device
+        device = table.device
         width = span + n
         keys = torch.arange(width, device=device)
         rel = keys.unsqueeze(0) - seq_lens.unsqueeze(1)  # [B, K] key position - L
@@ -236,9 +238,9 @@ class EagleWorker:
             2, rel.clamp(0, n - 1).unsqueeze(1).expand(b, n, width)
         ) & in_tree.unsqueeze(1)
         mask = (rel < 0).unsqueeze(1) | tree_part
-        out_loc = self._position_slots(rows, seq_lens, n).reshape(-1)
+        out_loc = self._position_slots(table, seq_lens, n).reshape(-1)
         attention = self.target.attention
-        attention.plan_masked(self._prefix_slots(rows, width), mask, out_loc)
+        attention.plan_masked(table[:, :width], mask, out_loc)
         positions = (seq_lens.unsqueeze(1) + tree.depths).clamp(max=self._target_max_pos)
         model = self.target.model
         hidden, captured = model.forward_capture(
@@ -287,15 +289,14 @@ class EagleWorker:
         return torch.where(info.seeded.unsqueeze(1), seeded, drawn)
 
     def _move_accepted_kv(
-        self, rows: torch.Tensor, seq_lens: torch.Tensor, accepted: Accepted
+        self, table: torch.Tensor, seq_lens: torch.Tensor, accepted: Accepted
     ) -> None:
         """Tree nodes were written at slots ``L + node``; the accepted path must sit at
         ``L + depth``. Gather every source first, so overlapping moves read old data."""
         g = self.max_accept
-        depth = torch.arange(g, device=rows.device).unsqueeze(0)
-        table = self.target.req_pool.req_to_token.index_select(0, rows)
-        src = table.gather(1, seq_lens.unsqueeze(1) + accepted.path).long()
-        dst = table.gather(1, seq_lens.unsqueeze(1) + depth).long()
+        depth = torch.arange(g, device=table.device).unsqueeze(0)
+        src = table.gather(1, seq_lens.unsqueeze(1) + accepted.path)
+        dst = table.gather(1, seq_lens.unsqueeze(1) + depth)
         src = torch.where(depth <= accepted.num_accepted.unsqueeze(1), src, dst).reshape(-1)
         dst = dst.reshape(-1)
         kv = self.target.kv_pool
@@ -313,7 +314,7 @@ class EagleWorker:
 
     def _extend(
         self,
-        rows: torch.Tensor,
+        table: torch.Tensor,
         seq_lens: torch.Tensor,
         span: int,
         tokens: torch.Tensor,
@@ -324,13 +325,13 @@ class EagleWorker:
         (position ``L + j`` reads token ``L + j + 1`` and the target's features at the
         accepted node of depth ``j``); returns the new draft state of each row."""
         b, g = tokens.shape
-        device = rows.device
+        device = table.device
         width = span + g
         keys = torch.arange(width, device=device).view(1, 1, width)
         query_pos = seq_lens.view(b, 1, 1) + torch.arange(g, device=device).view(1, g, 1)
         mask = keys <= query_pos  # causal over the prefix and the committed tokens
-        out_loc = self._position_slots(rows, seq_lens, g).reshape(-1)
-        self.draft_attention.plan_masked(self._prefix_slots(rows, width), mask, out_loc)
+        out_loc = self._position_slots(table, seq_lens, g).reshape(-1)
+        self.draft_attention.plan_masked(table[:, :width], mask, out_loc)
         feats = features.gather(1, accepted.path.unsqueeze(2).expand(b, g, features.shape[2]))
         positions = query_pos.view(b, g).clamp(max=self.draft.max_position)
         hidden = self.draft(
