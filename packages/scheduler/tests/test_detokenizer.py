@@ -191,3 +191,39 @@ def test_empty_steps_and_repeated_flush(byte_tokenizer: Tokenizer) -> None:
     assert detok.step(byte_tokenizer.encode("x", False)) == "x"
     assert detok.flush() == ""
     assert detok.output_text == "x"
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and counts ``decode`` calls."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@given(text=texts)
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_stop_checker_without_stop_strings_decodes_on_demand(
+    byte_tokenizer: Tokenizer, text: str
+) -> None:
+    """No stop string to scan for: feeding tokens decodes nothing; the text asked for
+    at the end is the whole decode, exactly as a token-by-token checker gives it."""
+    from tandem.scheduler.stop import StopChecker
+
+    ids = byte_tokenizer.encode(text)
+    counting = _CountingTokenizer(byte_tokenizer)
+    lazy = StopChecker([], IncrementalDetokenizer(counting))  # type: ignore[arg-type]
+    eager = StopChecker(["\x00never"], IncrementalDetokenizer(byte_tokenizer))
+    for token in ids:
+        assert lazy.feed([token]) is None
+        eager.feed([token])
+    calls_after_feeding = counting.calls
+    lazy.finish_text()
+    eager.finish_text()
+    assert calls_after_feeding <= 1  # at most the constructor's empty-prefix decode
+    assert lazy.take_new_text(final=True) == eager.take_new_text(final=True)
+    assert lazy.text == byte_tokenizer.decode(ids)

@@ -313,3 +313,38 @@ def test_rows_and_pages_come_back_under_pressure(checkpoints: dict[str, Path]) -
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
     assert info["free_rows"] == 3
     assert info["available_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"]
+
+
+def test_async_streams_share_one_loop(checkpoints: dict[str, Path]) -> None:
+    """Several streams read concurrently on one event loop get exactly the tokens of a
+    batch call; a loop closed with a stream still open aborts that request and costs
+    the engine nothing else."""
+    path = checkpoints["llama"]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with _engine(path, disable_overlap_schedule=False) as engine:
+        batch = engine.generate(input_ids=PROMPTS, sampling_params=params)
+
+        async def one(prompt: list[int]) -> list[int]:
+            stream = await engine.async_generate(
+                input_ids=prompt, sampling_params=params, stream=True
+            )
+            return [t async for chunk in stream for t in chunk["output_ids"]]
+
+        async def all_streams() -> list[list[int]]:
+            return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+        assert asyncio.run(all_streams()) == [r["output_ids"] for r in batch]
+
+        async def abandon() -> None:
+            long = {**params, "max_new_tokens": 40}
+            stream = await engine.async_generate(
+                input_ids=PROMPTS[0], sampling_params=long, stream=True
+            )
+            await anext(stream)  # then the loop closes with the request still running
+
+        asyncio.run(abandon())
+        again = engine.generate(input_ids=PROMPTS, sampling_params=params)
+        assert [r["output_ids"] for r in again] == [r["output_ids"] for r in batch]
+        info = engine.get_server_info()
+        assert info["aborted_requests"] == 1
+        assert info["generated_tokens"] < 2 * sum(len(r["output_ids"]) for r in batch) + 40

@@ -65,3 +65,14 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def metric_at_least(url: str, name: str, floor: float, timeout: float = 10.0) -> float:
+    """The metric once it reaches ``floor`` (or its last value after ``timeout``): the
+    engine's figures reach the API process periodically, not with each response."""
+    deadline = time.monotonic() + timeout
+    value = metric(url, name)
+    while value < floor and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = metric(url, name)
+    return value

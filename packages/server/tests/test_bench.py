@@ -36,7 +36,10 @@ def _env(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "out.json"
     assert main(["bench", "--device", "cpu", *extra, "--output-json", str(out)]) == 0
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    # The file names the command that reproduces it.
+    assert report.pop("command").startswith("tandem bench --device cpu")
+    return report
 
 
 def _expected(*extra: str) -> list[int]:

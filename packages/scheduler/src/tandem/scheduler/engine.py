@@ -10,6 +10,7 @@ validates every request of a call before any of them is queued, so bad input rai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -48,10 +49,26 @@ ParamsArg = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 
 @dataclass
 class _Waiter:
-    """Where the scheduler thread delivers a request's chunks."""
+    """Where the scheduler thread delivers a request's chunks.
+
+    A stream gets a chunk per step; any other request only its final result, so a
+    batch call adds no per-token work to the scheduler thread, which runs beside the
+    forward. An asyncio stream (``loop`` set) is fed through the loop itself rather
+    than through a thread hop per chunk."""
 
     req: Request
+    stream: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
     chunks: queue.Queue[dict[str, Any] | BaseException] = field(default_factory=queue.Queue)
+    achunks: asyncio.Queue[dict[str, Any] | BaseException] = field(default_factory=asyncio.Queue)
+
+    def put(self, item: dict[str, Any] | BaseException) -> None:
+        """Hand ``item`` to the consumer (called on the scheduler thread)."""
+        if self.loop is None:
+            self.chunks.put(item)
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read
+            self.loop.call_soon_threadsafe(self.achunks.put_nowait, item)
 
 
 @dataclass
@@ -204,8 +221,9 @@ class Engine:
     ) -> Any:
         """The ``generate`` twin for asyncio: awaits the result, or with
         ``stream=True`` returns an async iterator of chunks."""
+        loop = asyncio.get_running_loop() if stream else None
         single, waiters = self._submit(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid, loop
         )
         if stream:
             return self._astream(waiters[0])
@@ -275,6 +293,7 @@ class Engine:
         top_logprobs_num: int | Sequence[int],
         stream: bool,
         rid: str | Sequence[str] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[bool, list[_Waiter]]:
         """Validate every request, then queue them all; nothing is queued when any
         request is invalid."""
@@ -309,7 +328,7 @@ class Engine:
                     max(top, item.params.top_logprobs_num),
                     request_id,
                 )
-                waiter = _Waiter(req)
+                waiter = _Waiter(req, stream=stream, loop=loop)
                 self._waiters[req.rid] = waiter
                 waiters.append(waiter)
                 self._inbox.put(("add", req))
@@ -414,16 +433,15 @@ class Engine:
                 block = not self.scheduler.has_work()
                 if not self._drain_inbox(block):
                     break
-                for update in self.scheduler.iterate():
-                    self._deliver(update)
+                self._deliver(self.scheduler.iterate())
         except BaseException as exc:
             log.exception("scheduler loop failed")
             self._failure = exc
             for waiter in list(self._waiters.values()):
-                waiter.chunks.put(exc)
+                waiter.put(exc)
         finally:
             for waiter in list(self._waiters.values()):
-                waiter.chunks.put(RuntimeError("the engine shut down before the request finished"))
+                waiter.put(RuntimeError("the engine shut down before the request finished"))
             self._waiters.clear()
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -441,19 +459,44 @@ class Engine:
             elif kind == "abort":
                 self.scheduler.abort(item)
 
-    def _deliver(self, update: Update) -> None:
+    def _deliver(self, updates: list[Update]) -> None:
+        """Hand a step's chunks to their consumers: straight into thread queues, and
+        to each asyncio loop in one call, so a step wakes a loop once rather than once
+        per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Waiter, dict[str, Any]]]] = {}
+        for update in updates:
+            found = self._chunk(update)
+            if found is None:
+                continue
+            waiter, chunk = found
+            if waiter.loop is None:
+                waiter.chunks.put(chunk)
+            else:
+                by_loop.setdefault(waiter.loop, []).append((waiter, chunk))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                # The consumers' event loop is closed: nobody is left to read these
+                # streams, so stop their requests as a disconnect would.
+                for waiter, _ in items:
+                    self._waiters.pop(waiter.req.rid, None)
+                    self.scheduler.abort(waiter.req.rid)
+
+    def _chunk(self, update: Update) -> tuple[_Waiter, dict[str, Any]] | None:
         req = update.req
         waiter = self._waiters.get(req.rid)
-        if waiter is None:
-            return
+        if waiter is None or not (waiter.stream or update.finished):
+            return None
         chunk = {
             "text": req.stop.take_new_text(final=update.finished),
-            "output_ids": list(update.new_ids),
+            # A stream's chunk holds the step's ids; a final result all of them.
+            "output_ids": list(update.new_ids if waiter.stream else req.output_ids),
             "meta_info": self._meta(req),
         }
         if update.finished:
             del self._waiters[req.rid]
-        waiter.chunks.put(chunk)
+        return waiter, chunk
 
     def _meta(self, req: Request) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -488,7 +531,7 @@ class Engine:
 
     async def _astream(self, waiter: _Waiter) -> AsyncIterator[dict[str, Any]]:
         while True:
-            chunk = await asyncio.to_thread(waiter.chunks.get)
+            chunk = await waiter.achunks.get()
             if isinstance(chunk, BaseException):
                 raise RuntimeError("generation failed") from chunk
             yield chunk
@@ -519,6 +562,12 @@ class Engine:
         from tqdm import tqdm
 
         return tqdm(total=total, desc="generate", unit="req")
+
+
+def _put_all(items: list[tuple[_Waiter, dict[str, Any]]]) -> None:
+    """On an asyncio loop: queue a step's chunks for their streams."""
+    for waiter, chunk in items:
+        waiter.achunks.put_nowait(chunk)
 
 
 def _copies(item: _Parsed) -> list[_Parsed]:

@@ -24,10 +24,19 @@ class StopChecker:
     emitted: int = 0
     matched: str | None = None
     _scan_from: int = field(default=0, repr=False)
+    _pending: list[int] = field(default_factory=list, repr=False)
 
     def feed(self, token_ids: list[int]) -> str | None:
-        """Add new tokens; return the stop string they completed, if any."""
+        """Add new tokens; return the stop string they completed, if any.
+
+        Without stop strings there is nothing to scan for, so the ids only queue up
+        and are decoded when the text is asked for (``take_new_text``) or the request
+        ends: a batch call that wants only the final text costs one decode per
+        request, not one per token on the scheduler thread."""
         if self.detokenizer is None:
+            return None
+        if not self.stop_strings:
+            self._pending.extend(token_ids)
             return None
         self.text += self.detokenizer.step(token_ids)
         return self._scan()
@@ -36,8 +45,14 @@ class StopChecker:
         """The request ended: take what the detokenizer still holds (unless a stop
         string already cut the text)."""
         if self.detokenizer is not None and self.matched is None:
+            self._catch_up()
             self.text += self.detokenizer.flush()
             self._scan()
+
+    def _catch_up(self) -> None:
+        if self._pending and self.detokenizer is not None:
+            pending, self._pending = self._pending, []
+            self.text += self.detokenizer.step(pending)
 
     def _scan(self) -> str | None:
         if not self.stop_strings or self.matched is not None:
@@ -59,6 +74,7 @@ class StopChecker:
     def take_new_text(self, final: bool) -> str:
         """Text not yet emitted. Unless ``final``, hold back a tail that could still
         grow into a stop string."""
+        self._catch_up()
         end = len(self.text) if final or self.matched else self._safe_end()
         end = max(end, self.emitted)
         out = self.text[self.emitted : end]

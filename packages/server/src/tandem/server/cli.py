@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tandem.server import bench
 
         bench_parser = parser._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
-        return bench.run(args, bench_parser)
+        return bench.run(args, bench_parser, argv[1:])
     serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     return serve(args, serve_parser)
 

@@ -60,16 +60,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.
     return torch.where(in_band, blended, slowed)
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, without a call when it already is: a no-op ``.to`` still
+    costs a dispatch, and a small model's decode step is counted in calls."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[T, heads, head_dim]``) by per-token angles (``[T, head_dim // 2]``).
+    """Rotate ``x`` (``[T, heads, head_dim]``) by per-token angles: ``cos`` and ``sin``
+    as ``RotaryEmbedding`` returns them (``[T, 1, head_dim]``, see there).
 
     Pairs are (i, i + head_dim/2), the rotate-half layout these checkpoints were trained
-    with. The math runs in float32 because bf16 angles at long positions are too coarse.
+    with: ``x * cos + roll(x, half) * sin`` with the first half of ``sin`` negated is
+    ``(x1 c - x2 s, x2 c + x1 s)``, term for term. The math runs in float32 because bf16
+    angles at long positions are too coarse.
     """
-    x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    x32 = as_dtype(x, torch.float32)
+    swapped = torch.roll(x32, x32.shape[-1] // 2, dims=-1)
+    return as_dtype(x32 * cos + swapped * sin, x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -112,10 +120,14 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, head_dim // 2]`` float32, for ``positions`` (``[T]``).
+        """``(cos, sin)`` for ``positions`` (``[T]``), each ``[T, 1, head_dim]`` float32
+        in ``apply_rotary``'s full-width form: ``cos`` is ``(c, c)`` and ``sin`` is
+        ``(-s, s)``. Built once per forward so every layer's rotation is three calls.
 
         Positions must be below ``max_positions``; the scheduler bounds contexts by it.
         """
         rows = self.cos_sin_cache.index_select(0, positions)
         cos, sin = rows.chunk(2, dim=-1)
-        return cos, sin
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(
+            1
+        )

@@ -129,6 +129,13 @@ class SamplingBatchInfo:
             )
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
+        want_lp = _merge(return_logprob, [p.return_logprob for p in params], n, "return_logprob")
+        top_n = _merge(
+            top_logprobs_num, [p.top_logprobs_num for p in params], n, "top_logprobs_num"
+        )
+        any_penalty = any(p.uses_penalties for p in params)
+        if all(greedy) and not any_penalty and not any(want_lp) and not any(top_n):
+            return cls._plain_greedy(rows, steps, tuple(p.seed for p in params), device)
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         seeded = [not g and p.seed is not None for p, g in zip(params, greedy, strict=True)]
         pairs = list(zip(params, greedy, strict=True))
@@ -143,11 +150,6 @@ class SamplingBatchInfo:
             [_seeded_uniform(p.seed, step) if s and p.seed is not None else 0.0]
             for p, s, step in zip(params, seeded, steps, strict=True)
         ]
-        want_lp = _merge(return_logprob, [p.return_logprob for p in params], n, "return_logprob")
-        top_n = _merge(
-            top_logprobs_num, [p.top_logprobs_num for p in params], n, "top_logprobs_num"
-        )
-        any_penalty = any(p.uses_penalties for p in params)
         return cls(
             rows=_rows_tensor(rows, device),
             temperatures=floats[0].unsqueeze(1),
@@ -169,6 +171,42 @@ class SamplingBatchInfo:
             need_penalties=any_penalty,
             need_logprobs=any(want_lp) or any(k > 0 for k in top_n),
             max_top_logprobs=max(top_n, default=0),
+        )
+
+    @classmethod
+    def _plain_greedy(
+        cls,
+        rows: Sequence[int] | torch.Tensor,
+        steps: Sequence[int],
+        seeds: tuple[int | None, ...],
+        device: torch.device,
+    ) -> SamplingBatchInfo:
+        """Every row greedy, without penalties or logprobs (the common batch): the
+        neutral columns ``build`` would copy, made by factory calls instead of per-row
+        Python, since this runs on the forward stream every step."""
+        n = len(steps)
+        ones = torch.ones(n, dtype=torch.float32, device=device)
+        return cls(
+            rows=_rows_tensor(rows, device),
+            temperatures=ones.unsqueeze(1),
+            top_ps=ones,
+            min_ps=torch.zeros(n, dtype=torch.float32, device=device),
+            greedy=torch.ones(n, dtype=torch.bool, device=device),
+            seeded=torch.zeros(n, dtype=torch.bool, device=device),
+            top_ks=torch.full((n,), _TOP_K_OFF, dtype=torch.int64, device=device),
+            uniforms=torch.zeros(n, dtype=torch.float64, device=device),
+            penalty_params=None,
+            seeds=seeds,
+            steps=tuple(steps),
+            all_greedy=True,
+            any_greedy=n > 0,
+            any_unseeded=False,
+            need_top_p=False,
+            need_top_k=False,
+            need_min_p=False,
+            need_penalties=False,
+            need_logprobs=False,
+            max_top_logprobs=0,
         )
 
 
@@ -406,7 +444,10 @@ def _merge(
 def _rows_tensor(rows: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(rows, torch.Tensor):
         return rows.to(device=device, dtype=torch.int64, non_blocking=True)
-    return _to_device([[r] for r in rows], 1, torch.int64, device)[0]
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _to_device(
