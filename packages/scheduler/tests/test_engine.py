@@ -348,3 +348,28 @@ def test_async_streams_share_one_loop(checkpoints: dict[str, Path]) -> None:
         info = engine.get_server_info()
         assert info["aborted_requests"] == 1
         assert info["generated_tokens"] < 2 * sum(len(r["output_ids"]) for r in batch) + 40
+
+
+def test_skip_tokenizer_init_runs_on_ids_alone(tmp_path: Path) -> None:
+    """SGLang's ``skip_tokenizer_init``: the same ids as with a tokenizer, no text, and
+    clear errors for what needs one (text prompts, stop strings); the eos ids stay."""
+    from tandem.scheduler.default_model import default_model_path
+
+    path = default_model_path(tmp_path)
+    params = {"max_new_tokens": 12, "temperature": 0}
+    with _engine(path) as engine:
+        ids = engine.tokenizer.encode("Once upon a time")
+        full = engine.generate(input_ids=ids, sampling_params=params)
+    with _engine(path, skip_tokenizer_init=True) as engine:
+        assert engine.tokenizer is None
+        bare = engine.generate(input_ids=ids, sampling_params=params)
+        streamed = list(engine.generate(input_ids=ids, sampling_params=params, stream=True))
+        with pytest.raises(ValueError, match="tokenizer"):
+            engine.generate("Once upon a time", params)
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            engine.generate(input_ids=ids, sampling_params={**params, "stop": ["x"]})
+    assert bare["output_ids"] == full["output_ids"]
+    assert bare["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
+    assert bare["text"] == ""
+    assert all(c["text"] == "" for c in streamed)
+    assert [t for c in streamed for t in c["output_ids"]] == full["output_ids"]

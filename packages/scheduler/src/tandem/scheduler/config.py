@@ -51,6 +51,10 @@ class EngineConfig:
         disable_radix_cache: no prefix sharing across requests.
         enable_mixed_chunk: let decoding requests ride along in prefill batches.
         disable_progress_bar: no progress bar for batch generation.
+        skip_tokenizer_init: keep no tokenizer (SGLang's option): prompts must be
+            ``input_ids``, results carry ``output_ids`` with empty ``text``, and stop
+            strings are refused. The scheduler thread then never detokenizes, which a
+            stream would otherwise do every step (an offline Engine option).
         speculative_algorithm: ``EAGLE`` or ``EAGLE3`` (from ``tandem-spec-eagle``)
             turns on speculative decoding; ``None`` decodes one token per step.
         speculative_draft_model_path: the draft head's checkpoint folder.
@@ -82,6 +86,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
     disable_progress_bar: bool = False
+    skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None

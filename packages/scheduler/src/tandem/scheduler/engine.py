@@ -102,8 +102,10 @@ class Engine:
                 f"max_position_embeddings ({max_pos})"
             )
         self.context_length = cfg.context_length or max_pos
-        self.tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or self.model_path))
-        self.eos_ids = _eos_ids(self.model_path, self.model_config, self.tokenizer)
+        tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or self.model_path))
+        self.eos_ids = _eos_ids(self.model_path, self.model_config, tokenizer)
+        # skip_tokenizer_init keeps the tokenizer's eos ids (the same stops either way).
+        self.tokenizer = None if cfg.skip_tokenizer_init else tokenizer
         self.scheduler = self._build_scheduler()
         self._waiters: dict[str, _Waiter] = {}
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -380,6 +382,12 @@ class Engine:
             params.validate(vocab, context_len=self.context_length, prompt_len=len(ids))
         except ValueError as exc:
             raise ValueError(f"request {index}: {exc}") from None
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                f"request {index}: stop strings need a tokenizer, and this engine has none "
+                "(skip_tokenizer_init, or a checkpoint without tokenizer.json); use "
+                "stop_token_ids"
+            )
         need = len(ids) + params.max_new_tokens + 2 * self.config.speculative_lookahead
         if need > self.scheduler.kv_pool.capacity_tokens:
             raise ValueError(

@@ -191,6 +191,14 @@ def _text(args: argparse.Namespace, tokenizer: Any, rng: random.Random) -> Workl
     return Workload([ids[i : i + size] for i in starts], [args.random_output_len] * len(starts))
 
 
+def _tokenizer(engine: Any) -> Any:
+    """The checkpoint's tokenizer (the engines keep none), or None without one."""
+    from tandem.scheduler.tokenizer import Tokenizer
+
+    path = Path(engine.config.tokenizer_path or engine.model_path)
+    return Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
+
+
 def _encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids without special tokens, from tandem's or the ``tokenizers`` tokenizer."""
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -455,14 +463,18 @@ def run(
     try:
         for name, extra in variants:
             try:
-                engine = Engine(**options, disable_progress_bar=True, **extra)
+                # No detokenizing: the figures are the engine's, as behind a server,
+                # whose API process turns ids into text (and transformers makes none).
+                engine = Engine(
+                    **options, disable_progress_bar=True, skip_tokenizer_init=True, **extra
+                )
             except ValueError as exc:
                 parser.error(str(exc))
             engines[name or ("overlap" if engine.scheduler.overlap else "normal")] = engine
         first = next(iter(engines.values()))
         try:
             workload = build_workload(
-                args, first.model_config.vocab_size, first.tokenizer, first.context_length
+                args, first.model_config.vocab_size, _tokenizer(first), first.context_length
             )
         except ValueError as exc:
             parser.error(str(exc))

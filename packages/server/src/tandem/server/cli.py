@@ -48,12 +48,19 @@ def _base_type(hint: Any) -> type:
     return hint  # type: ignore[no-any-return]
 
 
+# Engine options with no meaning behind the server: its API process tokenizes and
+# detokenizes, and the scheduler process checks stop strings with its own tokenizer.
+OFFLINE_ONLY = frozenset({"skip_tokenizer_init"})
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineConfig`` field."""
     hints = typing.get_type_hints(EngineConfig)
     docs = _field_docs()
     group = parser.add_argument_group("engine options")
     for f in dataclasses.fields(EngineConfig):
+        if f.name in OFFLINE_ONLY:
+            continue
         flag = "--" + f.name.replace("_", "-")
         base = _base_type(hints[f.name])
         help_text = docs.get(f.name, f.name).replace("%", "%%")
@@ -103,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in OFFLINE_ONLY
+    }
 
 
 def _check(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
