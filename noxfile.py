@@ -98,21 +98,58 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site with mkdocs --strict (into build/site)."""
-    session.install("mkdocs-material>=9.5", "mkdocstrings[python]>=0.25")
+    session.install("mkdocs-material>=9.5", "mkdocstrings[python]>=0.25", "matplotlib")
     session.run("mkdocs", "build", "--strict", "--site-dir", "build/site", *session.posargs)
+
+
+@nox.session(name="docs-check")
+def docs_check(session: nox.Session) -> None:
+    """Build the docs and render every page in headless Chromium; fails on errors or broken links.
+
+    Errors: console errors and uncaught exceptions, failed requests, and any request to
+    another host (the site must work offline). Broken links: same-site links to a missing
+    page or file, or to an anchor missing on its page. Uses the system's Chromium,
+    /usr/bin/chromium or the path in $CHROMIUM, driven by the playwright package (no
+    browser download). Arguments after -- go to tools/check_site.py.
+    """
+    chromium = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+    if not Path(chromium).is_file():
+        session.error(
+            f"no Chromium at {chromium}: install it (apt-get install chromium) "
+            "or set CHROMIUM to the path of a Chromium executable"
+        )
+    session.install(
+        "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25", "matplotlib", "playwright"
+    )
+    session.run("mkdocs", "build", "--strict", "--site-dir", "build/site")
+    session.run(
+        "python", "tools/check_site.py", "build/site", "--chromium", chromium, *session.posargs
+    )
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The asv benchmark suite in quick mode, against this checkout."""
+    """The asv benchmark suite in quick mode, against this checkout, then the HTML
+    dashboard (asv publish, into benchmarks/html).
+
+    Results are recorded under the HEAD commit for a stable machine name,
+    ``cpu-<cores>core`` (``TANDEM_ASV_MACHINE`` overrides it), and renamed so that no
+    path of this checkout ends up in them (benchmarks/portable_results.py).
+    """
     _install_cpu_stack(session, "asv>=0.6", "numpy")
     config = "benchmarks/asv.conf.json"
-    session.run("asv", "machine", "--yes", "--config", config)
+    machine = os.environ.get("TANDEM_ASV_MACHINE", f"cpu-{os.cpu_count()}core")
+    session.run("asv", "machine", "--yes", "--machine", machine, "--config", config)
     python = str(Path(session.bin) / "python")
-    session.run(
-        "asv", "run", "--quick", "--show-stderr", "--config", config,
-        "--environment", f"existing:{python}", *session.posargs,
-    )  # fmt: skip
+    try:
+        session.run(
+            "asv", "run", "--quick", "--show-stderr", "--config", config,
+            "--machine", machine, "--environment", f"existing:{python}",
+            "--set-commit-hash", "HEAD", *session.posargs,
+        )  # fmt: skip
+    finally:
+        session.run("python", "benchmarks/portable_results.py")
+    session.run("asv", "publish", "--config", config)
 
 
 @nox.session

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, help="torch intra-op threads (default: torch's choice)"
     )
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(arguments)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -126,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"overlap / normal wall time: {report['overlap_vs_normal_wall']:.3f}")
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
+        command = shlex.join(["python", "tools/bench_overlap.py", *arguments])
+        document = {**report, "command": command}
+        Path(args.output_json).write_text(json.dumps(document, indent=2) + "\n")
     return 0
 
 
