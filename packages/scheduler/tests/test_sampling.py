@@ -677,3 +677,26 @@ def test_cuda_sample_never_syncs_and_matches_cpu_for_seeded_rows() -> None:
         outputs.append(out.next_token_ids.cpu())
     seeded = [i for i, p in enumerate(params) if p.seed is not None or p.is_greedy]
     assert torch.equal(outputs[0][seeded], outputs[1][seeded])
+
+
+def test_plain_greedy_shortcut_agrees_with_the_sampler() -> None:
+    """The runner's argmax shortcut is taken exactly when the full sampler would only
+    argmax, and then gives its tokens."""
+    greedy = SamplingParams(temperature=0)
+    assert SamplingBatchInfo.is_plain_greedy([greedy, greedy])
+    assert not SamplingBatchInfo.is_plain_greedy([greedy, SamplingParams(temperature=0.7)])
+    assert not SamplingBatchInfo.is_plain_greedy(
+        [SamplingParams(temperature=0, presence_penalty=1)]
+    )
+    assert not SamplingBatchInfo.is_plain_greedy(
+        [SamplingParams(temperature=0, return_logprob=True)]
+    )
+    assert not SamplingBatchInfo.is_plain_greedy([greedy], return_logprob=[True])
+    assert not SamplingBatchInfo.is_plain_greedy([greedy], top_logprobs_num=[2])
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    info = SamplingBatchInfo.build([greedy] * 5, rows=[1, 2, 3, 4, 5], steps=[0] * 5, device="cpu")
+    full = Sampler().sample(logits, info)
+    quick = Sampler.sample_greedy(logits)
+    assert torch.equal(full.next_token_ids, quick.next_token_ids)
+    assert quick.logprobs is None
+    assert quick.top_logprobs is None

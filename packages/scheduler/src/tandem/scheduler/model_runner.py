@@ -40,6 +40,13 @@ class SamplingSpec:
     return_logprob: list[bool]
     top_logprobs_num: list[int]
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Sampling is an argmax for every row (see ``SamplingBatchInfo``)."""
+        return SamplingBatchInfo.is_plain_greedy(
+            self.params, self.return_logprob, self.top_logprobs_num
+        )
+
     def build(self, device: torch.device) -> SamplingBatchInfo:
         return SamplingBatchInfo.build(
             self.params,
@@ -193,14 +200,17 @@ class ModelRunner:
         next_ids = None
         result = StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
         if batch.sample_indices and sampling is not None:
-            info = sampling.build(self.device)
-            last = fb.last_token_indices.index_select(0, self._tensor(batch.sample_indices))
+            indices, rows = self._tensors(batch.sample_indices, batch.sample_rows)
+            last = fb.last_token_indices.index_select(0, indices)
             logits = self.model.compute_logits(hidden.index_select(0, last))
-            out = self.sampler.sample(logits, info, self.penalties)
+            info = None if sampling.plain_greedy else sampling.build(self.device)
+            if info is None:
+                out = self.sampler.sample_greedy(logits)
+            else:
+                out = self.sampler.sample(logits, info, self.penalties)
             next_ids = out.next_token_ids
-            rows = self._tensor(batch.sample_rows)
             self.future_map.stash(rows, next_ids)
-            if info.need_penalties:
+            if info is not None and info.need_penalties:
                 self.penalties.record(rows, next_ids)
             result = self._to_host(out, logits if batch.return_logits else None)
         if self.spec is not None:

@@ -34,9 +34,13 @@ class FinishReason:
         return out
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One generation request.
+
+    Compared by identity (``eq=False``): the scheduler asks ``req in pool`` every
+    step, and a field-by-field ``__eq__`` over token lists made that the largest host
+    cost of a decode step.
 
     ``kv_len`` counts the tokens whose K/V has been scheduled into the cache: the
     prefill advances it chunk by chunk, each decode step by one. ``pages`` are the KV

@@ -47,6 +47,13 @@ class TorchAttention(AttentionBackend):
         # so it sees the req_to_token writes queued before it on the forward stream.
         table = self.req_to_token[:, :max_seq]
         kv_slots = table.index_select(0, batch.req_pool_indices).long()
+        if max_query == 1 and min(batch.extend_lens_cpu, default=1) == 1:
+            # Decode: one query per request, at the end of its sequence
+            # (seq_lens = prefix_lens + 1), so the causal mask is just k < seq_len.
+            k_pos = torch.arange(max_seq, device=device)
+            mask = (k_pos < batch.seq_lens.view(b, 1)).view(b, 1, 1, max_seq)
+            self._plan = _Plan(batch.out_cache_loc, kv_slots, None, mask, b, 1)
+            return
         offsets = None
         if any(n != max_query for n in batch.extend_lens_cpu):
             offsets = torch.tensor(

@@ -134,7 +134,7 @@ class SamplingBatchInfo:
             top_logprobs_num, [p.top_logprobs_num for p in params], n, "top_logprobs_num"
         )
         any_penalty = any(p.uses_penalties for p in params)
-        if all(greedy) and not any_penalty and not any(want_lp) and not any(top_n):
+        if cls.is_plain_greedy(params, want_lp, top_n):
             return cls._plain_greedy(rows, steps, tuple(p.seed for p in params), device)
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
         seeded = [not g and p.seed is not None for p, g in zip(params, greedy, strict=True)]
@@ -171,6 +171,21 @@ class SamplingBatchInfo:
             need_penalties=any_penalty,
             need_logprobs=any(want_lp) or any(k > 0 for k in top_n),
             max_top_logprobs=max(top_n, default=0),
+        )
+
+    @staticmethod
+    def is_plain_greedy(
+        params: Sequence[SamplingParams],
+        return_logprob: Sequence[bool] | Sequence[int] | None = None,
+        top_logprobs_num: Sequence[int] | None = None,
+    ) -> bool:
+        """Every row greedy, without penalties or logprobs: sampling is an argmax
+        (``Sampler.sample_greedy``), and most batches are like this."""
+        return (
+            all(p.is_greedy and not p.uses_penalties for p in params)
+            and not any(p.return_logprob or p.top_logprobs_num for p in params)
+            and not any(return_logprob or ())
+            and not any(top_logprobs_num or ())
         )
 
     @classmethod
@@ -274,6 +289,14 @@ class Sampler:
             penalties.apply(work, info.rows, info.penalty_params)
         next_ids = _choose(work, info, self._uniforms(info, logits.device))
         return SampleOutput(next_ids, *_logprobs(raw_logprobs, next_ids, info.max_top_logprobs))
+
+    @staticmethod
+    def sample_greedy(logits: torch.Tensor) -> SampleOutput:
+        """``sample`` for a batch that ``SamplingBatchInfo.is_plain_greedy`` accepts:
+        the argmax, without building the batch's sampling columns."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
+        return SampleOutput(torch.argmax(logits, dim=-1), None, None)
 
     def _uniforms(self, info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:
         if not info.any_unseeded:
