@@ -227,9 +227,7 @@ def train_target(
             break
     model.eval()
     # The checkpoint is bfloat16: round now, so the draft learns the weights that ship.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    round_to_bfloat16(model)
     gen_eval = torch.Generator().manual_seed(args.seed + 2)
     train_sample = random_windows(train_ids, len(eval_windows), args.seq_len, gen_eval)
     return {
@@ -539,9 +537,15 @@ def train_draft(
             log(f"draft: time budget reached after {step + 1} steps (not reproducible)")
             break
     draft.eval()
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    round_to_bfloat16(draft)
+
+
+@torch.no_grad()
+def round_to_bfloat16(module: nn.Module) -> None:
+    """Round every parameter to bfloat16 (kept in float32): the checkpoints ship in
+    bfloat16, so what is measured and learned after training uses what ships."""
+    for p in module.parameters():
+        p.copy_(p.to(torch.bfloat16).to(torch.float32))
 
 
 @torch.no_grad()

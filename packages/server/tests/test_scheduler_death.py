@@ -67,7 +67,12 @@ def test_sigterm_leaves_no_orphan(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("flags", "named"),
-    [(["--page-size", "0"], "--page-size"), (["--dtype", "int3"], "--dtype")],
+    [
+        (["--page-size", "0"], "--page-size"),
+        (["--dtype", "int3"], "--dtype"),
+        # Offline only: the server's API process does the text.
+        (["--skip-tokenizer-init"], "--skip-tokenizer-init"),
+    ],
 )
 def test_invalid_flag_names_it(flags: list[str], named: str) -> None:
     import subprocess

@@ -60,7 +60,11 @@ class _Waiter:
     stream: bool = False
     loop: asyncio.AbstractEventLoop | None = None
     chunks: queue.Queue[dict[str, Any] | BaseException] = field(default_factory=queue.Queue)
-    achunks: asyncio.Queue[dict[str, Any] | BaseException] = field(default_factory=asyncio.Queue)
+    achunks: asyncio.Queue[dict[str, Any] | BaseException] | None = None
+
+    def __post_init__(self) -> None:
+        if self.loop is not None:
+            self.achunks = asyncio.Queue()
 
     def put(self, item: dict[str, Any] | BaseException) -> None:
         """Hand ``item`` to the consumer (called on the scheduler thread)."""
@@ -68,7 +72,7 @@ class _Waiter:
             self.chunks.put(item)
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read
-            self.loop.call_soon_threadsafe(self.achunks.put_nowait, item)
+            self.loop.call_soon_threadsafe(_put_all, [(self, item)])
 
 
 @dataclass
@@ -539,6 +543,7 @@ class Engine:
 
     async def _astream(self, waiter: _Waiter) -> AsyncIterator[dict[str, Any]]:
         while True:
+            assert waiter.achunks is not None
             chunk = await waiter.achunks.get()
             if isinstance(chunk, BaseException):
                 raise RuntimeError("generation failed") from chunk
@@ -572,10 +577,11 @@ class Engine:
         return tqdm(total=total, desc="generate", unit="req")
 
 
-def _put_all(items: list[tuple[_Waiter, dict[str, Any]]]) -> None:
-    """On an asyncio loop: queue a step's chunks for their streams."""
-    for waiter, chunk in items:
-        waiter.achunks.put_nowait(chunk)
+def _put_all(items: Sequence[tuple[_Waiter, dict[str, Any] | BaseException]]) -> None:
+    """On an asyncio loop: queue chunks (a step's, or an error) for their streams."""
+    for waiter, item in items:
+        assert waiter.achunks is not None
+        waiter.achunks.put_nowait(item)
 
 
 def _copies(item: _Parsed) -> list[_Parsed]:

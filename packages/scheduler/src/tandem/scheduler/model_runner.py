@@ -131,7 +131,7 @@ class ModelRunner:
 
     # -- on the forward stream --------------------------------------------------------------
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._tensors(values)[0]
 
     def _tensors(self, *columns: list[int]) -> list[torch.Tensor]:
         """Several int lists as device tensors from one host tensor and one copy: each

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.scheduler.attention.base import AttentionBackend, KVCacheView
+from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
-from tandem.scheduler.models.rope import as_dtype
 
 
 @dataclass

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.scheduler.attention.base import AttentionBackend
+from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.models.config import ModelConfig
-from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary, as_dtype
+from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 
 # Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
 _FUSED_NORM_MAX_ELEMENTS = 64 * 1024

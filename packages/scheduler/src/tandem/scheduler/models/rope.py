@@ -14,6 +14,8 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from tandem.scheduler.casting import as_dtype
+
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -58,12 +60,6 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.
     blended = (1 - smooth) * slowed / factor + smooth * slowed
     in_band = (wavelen >= context / high) & (wavelen <= context / low)
     return torch.where(in_band, blended, slowed)
-
-
-def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in ``dtype``, without a call when it already is: a no-op ``.to`` still
-    costs a dispatch, and a small model's decode step is counted in calls."""
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,6 +124,6 @@ class RotaryEmbedding(nn.Module):
         """
         rows = self.cos_sin_cache.index_select(0, positions)
         cos, sin = rows.chunk(2, dim=-1)
-        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(
-            1
-        )
+        full_cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+        signed_sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        return full_cos, signed_sin
