@@ -276,3 +276,31 @@ def test_abort_by_caller_rid_ends_a_blocking_generate(checkpoints: dict[str, Pat
             rid=["a", "b"],
         )  # fmt: skip
         assert [c["meta_info"]["id"] for c in copies] == ["a-0", "a-1", "b-0", "b-1"]
+
+
+def test_a_full_pool_is_evicted_ahead_not_once_per_request(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the KV pool is full of cached prefixes, a step's allocations evict ahead
+    (a page per row) instead of walking the radix tree once per request: at most one
+    eviction per scheduled batch."""
+    from tandem.scheduler.radix_cache import RadixCache
+
+    calls = []
+    original = RadixCache.evict
+
+    def counting(self: RadixCache, num_pages: int) -> int:
+        calls.append(num_pages)
+        return original(self, num_pages)
+
+    monkeypatch.setattr(RadixCache, "evict", counting)
+    path = checkpoints["llama"]
+    params = {**GREEDY, "max_new_tokens": 12}
+    with _engine(path, True, max_total_tokens=400, max_running_requests=8) as engine:
+        for seed in range(3):  # fresh prompts each round: the cache fills, then evicts
+            engine.generate(input_ids=_prompts(seed, 8, low=20, high=30), sampling_params=params)
+        info = engine.get_server_info()
+    steps = info["prefill_steps"] + info["decode_steps"]
+    assert calls, "the pool never filled: the test does not exercise eviction"
+    assert len(calls) <= steps
+    assert all(n >= 8 for n in calls)

@@ -237,7 +237,10 @@ class Scheduler:
             return []
         short = count - self.kv_pool.available_pages
         if short > 0 and self.radix is not None:
-            self.radix.evict(short)
+            # Evict ahead, a page for every row: a decode step allocates for each
+            # request in turn, and each eviction walks the whole tree, so evicting only
+            # the shortfall would walk it once per request once the pool is full.
+            self.radix.evict(max(short, self.config.max_running_requests))
         return self.kv_pool.alloc_pages(count)
 
     def _order_waiting(self) -> None:
