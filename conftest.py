@@ -4,6 +4,10 @@
   caller already chose (the nox sessions set it explicitly too).
 * Tests marked ``cuda``, ``rocm`` or ``gpu`` are skipped when no such device exists;
   those are the only tests that may be skipped.
+* Without a GPU, Triton kernels (the ``triton`` attention backend, the rotary kernel)
+  run in Triton's interpreter. Triton chooses interpreter or compiler when a kernel is
+  decorated, its own library's included, and transformers and torch.compile import
+  Triton, so ``TRITON_INTERPRET`` is set here, before any test module is imported.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ os.environ.setdefault("TANDEM_DEBUG_FUTURES", "1")
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _has_cuda() -> bool:

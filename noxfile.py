@@ -34,6 +34,7 @@ TEST_DEPS = (
     "openai>=1.40",
     "httpx>=0.27",
     "schemathesis>=4.32",
+    "triton==3.6.0",
 )
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
 
@@ -61,8 +62,24 @@ def _gpu_tests(session: nox.Session, *, want_hip: bool) -> None:
         session.run("python", "-c", probe, silent=True)
     except nox.command.CommandFailed:
         session.error(f"no {kind} device visible to this interpreter's torch")
-    src = os.pathsep.join(str(ROOT / d / "src") for d in PACKAGE_DIRS)
-    env = {**DEBUG_ENV, "PYTHONPATH": src}
+    # The layers' metadata (entry points such as the speculative algorithms, the
+    # ``tandem`` command) installed into a folder of this session, without build
+    # isolation or the registry: the machine's own interpreter stays untouched.
+    layers = Path(session.create_tmp()) / "layers"
+    session.run(
+        "python", "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+        "--no-index", "--upgrade", "--target", str(layers), *PACKAGE_DIRS,
+    )  # fmt: skip
+    # The layers from their sources, ahead of whatever the machine already puts on the
+    # path (a GPU machine without registry access may bring test dependencies that way).
+    paths = [str(ROOT / d / "src") for d in PACKAGE_DIRS] + [str(layers)]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    env = {
+        **DEBUG_ENV,
+        "PYTHONPATH": os.pathsep.join(paths),
+        "PATH": os.pathsep.join([str(layers / "bin"), os.environ.get("PATH", "")]),
+    }
     session.run("python", "-m", "pytest", *session.posargs, env=env)
 
 

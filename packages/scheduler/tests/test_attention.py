@@ -4,6 +4,7 @@ is checked on CUDA machines."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -23,9 +24,15 @@ def _setup(device: str, page_size: int) -> tuple[PagedKVPool, ReqToTokenPool]:
 
 
 def _batch(
-    kv: PagedKVPool, pool: ReqToTokenPool, prefix: list[int], extend: list[int], device: str
+    kv: PagedKVPool,
+    pool: ReqToTokenPool,
+    prefix: list[int],
+    extend: list[int],
+    device: str,
+    mode: ForwardMode | None = None,
 ) -> ForwardBatch:
-    """Give each request pages for its whole sequence and write its table row."""
+    """Give each request pages for its whole sequence and write its table row. The
+    mode defaults to DECODE when every request brings one token, else PREFILL."""
     rows, locs = [], []
     for p, e in zip(prefix, extend, strict=True):
         row = pool.alloc()
@@ -38,7 +45,8 @@ def _batch(
         locs.extend(slots[p:])
     t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     seq = [p + e for p, e in zip(prefix, extend, strict=True)]
-    mode = ForwardMode.DECODE if all(e == 1 for e in extend) else ForwardMode.PREFILL
+    if mode is None:
+        mode = ForwardMode.DECODE if all(e == 1 for e in extend) else ForwardMode.PREFILL
     positions = [p + j for p, e in zip(prefix, extend, strict=True) for j in range(e)]
     return ForwardBatch(
         mode, t([0] * sum(extend)), t(positions), t(rows), t(seq), t(prefix), t(extend),
@@ -122,6 +130,11 @@ def test_unknown_backend_and_wrong_device_are_named() -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(
+    # Only on a GPU machine: without a GPU the cuda marker is the reason.
+    torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None,
+    reason="flashinfer-python is not installed (an optional extra: tandem-scheduler[cuda])",
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("prefix", "extend"), CASES)
 def test_flashinfer_matches_torch_backend(

@@ -184,3 +184,15 @@ def test_algorithm_must_match_the_checkpoint(target: Path, heads: dict[str, Path
     options = {**_spec(heads["eagle3"]), "speculative_algorithm": "EAGLE"}
     with pytest.raises(ValueError, match="the draft checkpoint is EAGLE3"):
         _engine(target, **options)
+
+
+def test_the_triton_backend_verifies_trees_like_torch(
+    target: Path, heads: dict[str, Path], reference: list[list[int]]
+) -> None:
+    """The target's verify and draft-extend attention through the Triton backend's
+    masked and extend kernels (Triton's interpreter on a CPU, compiled on a GPU) give
+    the same greedy tokens as plain decoding."""
+    options = _spec(heads["eagle3"], 3, topk=2, ndt=6)
+    with _engine(target, attention_backend="triton", **options) as engine:
+        out = engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
+    assert [r["output_ids"] for r in out] == reference[:2]

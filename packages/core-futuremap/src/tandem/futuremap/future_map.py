@@ -225,7 +225,9 @@ class FutureMap:
             if rows.is_floating_point() or rows.is_complex() or rows.dtype == torch.bool:
                 raise TypeError(f"rows must be an integer tensor, got {rows.dtype}")
             return rows.reshape(-1).to(self.device, torch.int64, non_blocking=True)
-        return torch.tensor(list(rows), dtype=torch.int64).to(self.device, non_blocking=True)
+        # Pinned on accelerators, so the copy is truly asynchronous.
+        host = torch.tensor(list(rows), dtype=torch.int64, pin_memory=self.device.type != "cpu")
+        return host.to(self.device, non_blocking=True)
 
     def _field(self, name: str) -> RelayField:
         spec = self._fields.get(name)

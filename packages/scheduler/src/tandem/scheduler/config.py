@@ -43,7 +43,8 @@ class EngineConfig:
         chunked_prefill_size: most prompt tokens per prefill batch; a longer prompt is
             prefilled in chunks. ``-1`` disables chunking.
         max_prefill_tokens: token budget of one prefill batch (several prompts).
-        attention_backend: ``torch`` or ``flashinfer``; default ``torch``.
+        attention_backend: ``torch``, ``triton`` or ``flashinfer``; default ``triton``
+            on CUDA and ROCm machines with Triton installed, ``torch`` elsewhere.
         schedule_policy: ``fcfs`` (first come, first served) or ``lpm`` (longest
             cached prefix first; needs the radix cache).
         disable_overlap_schedule: run the normal loop (launch, wait, process) instead
@@ -51,6 +52,11 @@ class EngineConfig:
         disable_radix_cache: no prefix sharing across requests.
         enable_mixed_chunk: let decoding requests ride along in prefill batches.
         disable_progress_bar: no progress bar for batch generation.
+        disable_cuda_graph: run decode forwards eagerly on CUDA/ROCm instead of
+            replaying captured CUDA graphs (graphs need an attention backend that
+            supports them, ``triton``; speculative steps are never captured).
+        cuda_graph_max_bs: largest decode batch captured in a CUDA graph; larger
+            batches run eagerly. Default: ``min(max_running_requests, 256)``.
         skip_tokenizer_init: keep no tokenizer (SGLang's option): prompts must be
             ``input_ids``, results carry ``output_ids`` with empty ``text``, and stop
             strings are refused. The scheduler thread then never detokenizes, which a
@@ -86,6 +92,8 @@ class EngineConfig:
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
     disable_progress_bar: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -122,7 +130,7 @@ class EngineConfig:
                 f"{', '.join(SCHEDULE_POLICIES)}"
             )
         _positive(self, "page_size", "max_running_requests", "max_prefill_tokens")
-        _positive_or_none(self, "context_length", "max_total_tokens")
+        _positive_or_none(self, "context_length", "max_total_tokens", "cuda_graph_max_bs")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError(
                 f"chunked_prefill_size must be >= 1 or -1 (off), got {self.chunked_prefill_size}"

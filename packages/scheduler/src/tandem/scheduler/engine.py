@@ -26,13 +26,19 @@ from typing import Any
 import torch
 
 from tandem.futuremap import FutureMap, create_stream, read_env
-from tandem.scheduler.attention import HeadShape, create_attention_backend, default_backend
+from tandem.scheduler.attention import (
+    AttentionBackend,
+    HeadShape,
+    create_attention_backend,
+    default_backend,
+)
 from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
 from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.model_runner import ModelRunner
-from tandem.scheduler.models import ModelConfig, load_model, resolve_dtype
+from tandem.scheduler.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from tandem.scheduler.request import Request
 from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingParams
 from tandem.scheduler.scheduler import Scheduler, Update
@@ -154,6 +160,7 @@ class Engine:
             )  # fmt: skip
             spec = create_speculative_worker(cfg, target)
             future_map.declare(*spec.relay_fields)
+        graphs = self._decode_graphs(model, attention)
         runner = ModelRunner(
             model=model,
             req_pool=req_pool,
@@ -164,6 +171,12 @@ class Engine:
             future_map=future_map,
             stream=create_stream(self.device, name="tandem-forward"),
             spec=spec,
+            copy_stream=(
+                None
+                if self.device.type == "cpu"
+                else create_stream(self.device, name="tandem-copy")
+            ),
+            graphs=graphs,
         )
         self.attention_backend = backend
         return Scheduler(
@@ -173,6 +186,27 @@ class Engine:
             context_length=self.context_length,
             strict_accounting=read_env().debug_futures,
         )
+
+    def _decode_graphs(
+        self, model: CausalLM, attention: AttentionBackend
+    ) -> DecodeGraphRunner | None:
+        """Capture the decode forward in CUDA graphs, unless disabled or impossible
+        (not CUDA, a backend that cannot be captured, speculative decoding)."""
+        cfg = self.config
+        self.cuda_graph_batch_sizes: list[int] = []
+        if self.device.type != "cuda" or cfg.disable_cuda_graph or cfg.speculative:
+            return None
+        if not attention.supports_cuda_graph:
+            log.info(
+                "no CUDA graphs: the %s attention backend cannot be captured",
+                type(attention).__name__,
+            )
+            return None
+        max_bs = min(cfg.cuda_graph_max_bs or 256, cfg.max_running_requests)
+        graphs = DecodeGraphRunner(model, attention, self.device, max_bs)
+        graphs.capture()
+        self.cuda_graph_batch_sizes = list(graphs.sizes)
+        return graphs
 
     def _num_pages(self, layout: KVLayout) -> int:
         cfg = self.config

@@ -4,6 +4,12 @@ copy to host, record copy-done.
 Everything in ``_forward_step`` is device work enqueued in stream order (on the CPU
 it runs on the host stream's worker thread). The host gets a ``LaunchedBatch`` back at
 once and touches its results only after waiting on its copy-done event.
+
+On an accelerator the batch's host inputs travel from pinned memory without blocking,
+and its outputs go back on a separate copy stream into pinned memory: the copy stream
+waits for the forward stream's sampling, the copy-done event is recorded on the copy
+stream, and the forward stream is free to start the next batch at once. Decode
+batches replay a captured CUDA graph when a ``DecodeGraphRunner`` is given.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 
 from tandem.futuremap import Event, FutureMap, Stream, Work
 from tandem.scheduler.attention import AttentionBackend
+from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.models import CausalLM
@@ -102,6 +109,8 @@ class ModelRunner:
         future_map: FutureMap,
         stream: Stream,
         spec: SpeculativeWorker | None = None,
+        copy_stream: Stream | None = None,
+        graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.req_pool = req_pool
@@ -114,6 +123,11 @@ class ModelRunner:
         self.device = future_map.device
         self.timeline = Timeline(self.device)
         self.spec = spec
+        # Device-to-host copies: a copy stream on accelerators (None on the CPU, where
+        # the forward stream's results are host tensors already).
+        self.copy_stream = copy_stream
+        self.graphs = graphs
+        self._pin = self.device.type != "cpu"
 
     def launch(
         self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool = False
@@ -121,7 +135,12 @@ class ModelRunner:
         """Enqueue the batch on the forward stream; returns without waiting.
         ``new_period``: the scheduler was idle before this batch (for the timeline)."""
         work = self.stream.submit(self._timed_step, batch, sampling, new_period)
-        return LaunchedBatch(batch, work, self.stream.record_event())
+        if self.copy_stream is None:
+            return LaunchedBatch(batch, work, self.stream.record_event())
+        # The copies were queued on the copy stream during the step; copy-done also
+        # waits for the whole forward, so a batch without outputs completes after it.
+        self.copy_stream.wait_stream(self.stream)
+        return LaunchedBatch(batch, work, self.copy_stream.record_event())
 
     def discard_rows(self, rows: list[int]) -> None:
         """Freed rows forget their futures, in stream order (after any queued read).
@@ -137,7 +156,9 @@ class ModelRunner:
         """Several int lists as device tensors from one host tensor and one copy: each
         tensor creation costs a few microseconds of the forward stream's time, which a
         small model's decode step feels."""
-        flat = torch.tensor([v for column in columns for v in column], dtype=torch.int64)
+        flat = torch.tensor(
+            [v for column in columns for v in column], dtype=torch.int64, pin_memory=self._pin
+        )
         return list(flat.to(self.device, non_blocking=True).split([len(c) for c in columns]))
 
     def _write_tables(self, batch: ScheduledBatch) -> None:
@@ -191,6 +212,8 @@ class ModelRunner:
         self._write_tables(batch)
         if batch.mode is ForwardMode.SPEC_DECODE:
             return self._spec_step(batch, sampling)
+        if self._graph_fits(batch):
+            return self._graph_step(batch, sampling)
         fb = self._forward_batch(batch)
         self.attention.plan(fb)
         capture = self.spec.capture_layers if self.spec is not None else ()
@@ -203,20 +226,54 @@ class ModelRunner:
             indices, rows = self._tensors(batch.sample_indices, batch.sample_rows)
             last = fb.last_token_indices.index_select(0, indices)
             logits = self.model.compute_logits(hidden.index_select(0, last))
-            info = None if sampling.plain_greedy else sampling.build(self.device)
-            if info is None:
-                out = self.sampler.sample_greedy(logits)
-            else:
-                out = self.sampler.sample(logits, info, self.penalties)
-            next_ids = out.next_token_ids
-            self.future_map.stash(rows, next_ids)
-            if info is not None and info.need_penalties:
-                self.penalties.record(rows, next_ids)
-            result = self._to_host(out, logits if batch.return_logits else None)
+            next_ids, result = self._sample(batch, sampling, logits, rows)
         if self.spec is not None:
             features = torch.cat(captured, dim=-1) if captured else hidden
             self._draft_after_prefill(batch, fb, features, next_ids)
         return result
+
+    def _sample(
+        self,
+        batch: ScheduledBatch,
+        sampling: SamplingSpec,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, StepResult]:
+        """Sample the sampling rows' next tokens, stash them, start their host copy."""
+        info = None if sampling.plain_greedy else sampling.build(self.device)
+        if info is None:
+            out = self.sampler.sample_greedy(logits)
+        else:
+            out = self.sampler.sample(logits, info, self.penalties)
+        next_ids = out.next_token_ids
+        self.future_map.stash(rows, next_ids)
+        if info is not None and info.need_penalties:
+            self.penalties.record(rows, next_ids)
+        return next_ids, self._to_host(out, logits if batch.return_logits else None)
+
+    def _graph_fits(self, batch: ScheduledBatch) -> bool:
+        return (
+            self.graphs is not None
+            and batch.mode is ForwardMode.DECODE
+            and self.graphs.padded_size(len(batch.rows)) is not None
+        )
+
+    def _graph_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
+        """A decode batch through its captured graph: the FutureMap resolves the input
+        ids on this stream, the graph replays, the sampling rows' logits are sampled."""
+        assert self.graphs is not None
+        input_ids = self.future_map.resolve_tokens(batch.decode_rows)
+        logits = self.graphs.replay(
+            input_ids, batch.positions, batch.rows, batch.seq_lens, batch.out_cache_loc
+        )
+        if not batch.sample_indices or sampling is None:
+            return StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+        indices, rows = self._tensors(batch.sample_indices, batch.sample_rows)
+        if len(batch.sample_indices) != len(batch.rows):
+            logits = logits.index_select(0, indices)
+        elif batch.return_logits:
+            logits = logits.clone()  # the graph's output is overwritten by the next replay
+        return self._sample(batch, sampling, logits, rows)[1]
 
     def _draft_after_prefill(
         self,
@@ -259,21 +316,50 @@ class ModelRunner:
                 steps=list(batch.spec_steps),
             )
         )
-        return StepResult(
-            next_token_ids=out.tokens.to("cpu", non_blocking=True),
-            accept_lens=out.accept_lens.to("cpu", non_blocking=True),
-        )
+        tokens, accept_lens = self._host_copies(out.tokens, out.accept_lens)
+        assert tokens is not None
+        return StepResult(next_token_ids=tokens, accept_lens=accept_lens)
 
-    @staticmethod
-    def _to_host(out: SampleOutput, logits: torch.Tensor | None) -> StepResult:
-        def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to("cpu", non_blocking=True)
-
+    def _to_host(self, out: SampleOutput, logits: torch.Tensor | None) -> StepResult:
         top = out.top_logprobs
-        return StepResult(
-            next_token_ids=out.next_token_ids.to("cpu", non_blocking=True),
-            logprobs=host(out.logprobs),
-            top_logprob_values=host(top[0]) if top is not None else None,
-            top_logprob_ids=host(top[1]) if top is not None else None,
-            logits=host(logits),
+        ids, logprobs, top_values, top_ids, host_logits = self._host_copies(
+            out.next_token_ids,
+            out.logprobs,
+            top[0] if top is not None else None,
+            top[1] if top is not None else None,
+            logits,
         )
+        assert ids is not None
+        return StepResult(
+            next_token_ids=ids,
+            logprobs=logprobs,
+            top_logprob_values=top_values,
+            top_logprob_ids=top_ids,
+            logits=host_logits,
+        )
+
+    def _host_copies(self, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Non-blocking copies into host memory, read after copy-done. On an
+        accelerator they run on the copy stream, after the forward stream's work so
+        far, into pinned memory; each source is marked as used by the copy stream so
+        the caching allocator does not hand its memory to the next batch early."""
+        if self.copy_stream is None:
+            return [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        self.copy_stream.wait_stream(self.stream)
+        work = self.copy_stream.submit(self._copy_out, tensors)
+        return work.result()
+
+    def _copy_out(self, tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        """On the copy stream (see ``_host_copies``)."""
+        assert self.copy_stream is not None
+        raw = getattr(self.copy_stream, "raw", None)
+        copies: list[torch.Tensor | None] = []
+        for t in tensors:
+            if t is None:
+                copies.append(None)
+                continue
+            if raw is not None:
+                t.record_stream(raw)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            copies.append(host.copy_(t, non_blocking=True))
+        return copies

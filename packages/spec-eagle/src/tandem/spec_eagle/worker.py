@@ -59,7 +59,8 @@ class EagleWorker:
         if type(target.attention).plan_masked is AttentionBackend.plan_masked:
             raise ValueError(
                 f"speculative decoding needs custom-mask attention, which the "
-                f"{type(target.attention).__name__} backend lacks; use attention_backend='torch'"
+                f"{type(target.attention).__name__} backend lacks; use "
+                "attention_backend='torch' or 'triton'"
             )
         self.target = target
         self.num_steps = config.speculative_num_steps

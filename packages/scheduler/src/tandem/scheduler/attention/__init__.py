@@ -1,8 +1,13 @@
 """Attention backends behind one interface (``AttentionBackend``): ``torch`` on any
-device (the CPU default) and ``flashinfer`` on CUDA, imported lazily so a CPU machine
-never imports FlashInfer."""
+device (the CPU default), ``triton`` on CUDA and ROCm (the GPU default when Triton is
+installed; on a CPU only under ``TRITON_INTERPRET=1``, for tests) and ``flashinfer``
+on CUDA. Backends are imported lazily, so importing this package never imports Triton
+or FlashInfer."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 
@@ -10,12 +15,20 @@ from tandem.scheduler.attention.base import AttentionBackend, HeadShape, KVCache
 
 __all__ = ["BACKENDS", "AttentionBackend", "HeadShape", "KVCacheView", "create_attention_backend"]
 
-BACKENDS = ("torch", "flashinfer")
+BACKENDS = ("torch", "triton", "flashinfer")
+
+
+def _has_triton() -> bool:
+    # find_spec, not import: importing Triton costs time and this runs on every start.
+    return importlib.util.find_spec("triton") is not None
 
 
 def default_backend(device: torch.device) -> str:
-    """``torch`` everywhere for now; the GPU issue makes ``flashinfer`` the CUDA
-    default once it is proven on a GPU."""
+    """``triton`` on a GPU (CUDA or ROCm; torch names both ``cuda``) when Triton is
+    installed: it reads the paged cache in place and its decode can be captured in a
+    CUDA graph. ``torch`` otherwise, and always on the CPU."""
+    if device.type == "cuda" and _has_triton():
+        return "triton"
     return "torch"
 
 
@@ -26,12 +39,27 @@ def create_attention_backend(
     device: torch.device,
     heads: HeadShape,
 ) -> AttentionBackend:
-    """Build the backend called ``name``; an unknown name or a device the backend does
-    not support is a ``ValueError`` naming both."""
+    """Build the backend called ``name``; an unknown name, a device the backend does
+    not support or a missing package is a ``ValueError`` naming it."""
     if name == "torch":
         from tandem.scheduler.attention.torch_backend import TorchAttention
 
         return TorchAttention(kv_cache, req_to_token)
+    if name == "triton":
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not (device.type == "cpu" and interpreted):
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA or ROCm device (on a CPU it runs "
+                f"only under TRITON_INTERPRET=1, for tests), got {device}"
+            )
+        if not _has_triton():
+            raise ValueError(
+                "attention_backend='triton' needs the 'triton' package, which is not "
+                "importable here"
+            )
+        from tandem.scheduler.attention.triton_backend import TritonAttention
+
+        return TritonAttention(kv_cache, req_to_token, heads)
     if name == "flashinfer":
         if device.type != "cuda" or torch.version.hip is not None:
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {device}")

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
 
 
@@ -50,6 +51,12 @@ class AttentionBackend(ABC):
     the ``[rows + 1, max_context]`` int32 request-to-token table of KV slots per row.
     """
 
+    supports_cuda_graph: bool = False
+    """Whether a decode forward can be captured in a CUDA graph and replayed with new
+    values in the same input buffers: true of a backend whose decode ``plan`` reads
+    only device tensors of the ``ForwardBatch`` (no host lengths, no host-to-device
+    copies) and whose decode kernels' grid depends on the batch size alone."""
+
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:
         """Build this batch's metadata (index tensors, masks) once, from host-side
@@ -81,3 +88,19 @@ class AttentionBackend(ABC):
             f"the {type(self).__name__} attention backend has no custom-mask attention, "
             "which speculative decoding needs; use attention_backend='torch'"
         )
+
+
+def write_kv(
+    kv_cache: KVCacheView,
+    layer_id: int,
+    out_cache_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the new tokens' K/V at their KV slots (cast to the cache's dtype) and
+    return the layer's K and V buffers: the first half of every backend's ``forward``."""
+    k_buf = kv_cache.k_buffer(layer_id)
+    v_buf = kv_cache.v_buffer(layer_id)
+    k_buf.index_copy_(0, out_cache_loc, as_dtype(k, k_buf.dtype))
+    v_buf.index_copy_(0, out_cache_loc, as_dtype(v, v_buf.dtype))
+    return k_buf, v_buf

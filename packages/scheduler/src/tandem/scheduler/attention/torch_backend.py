@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.scheduler.attention.base import AttentionBackend, KVCacheView
+from tandem.scheduler.attention.base import AttentionBackend, KVCacheView, write_kv
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
 
@@ -90,10 +90,7 @@ class TorchAttention(AttentionBackend):
         plan = self._plan
         if plan is None:
             raise RuntimeError("TorchAttention.forward called before plan()")
-        k_buf = self.kv_cache.k_buffer(layer_id)
-        v_buf = self.kv_cache.v_buffer(layer_id)
-        k_buf.index_copy_(0, plan.out_cache_loc, as_dtype(k, k_buf.dtype))
-        v_buf.index_copy_(0, plan.out_cache_loc, as_dtype(v, v_buf.dtype))
+        k_buf, v_buf = write_kv(self.kv_cache, layer_id, plan.out_cache_loc, k, v)
         _, num_heads, head_dim = q.shape
         keys = as_dtype(_gather(k_buf, plan.kv_slots), q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         values = as_dtype(_gather(v_buf, plan.kv_slots), q.dtype).transpose(1, 2)

@@ -10,6 +10,7 @@ is a copy by name.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,18 @@ from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 
 # Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
 _FUSED_NORM_MAX_ELEMENTS = 64 * 1024
+# Looked up, not imported: importing the model on a CPU machine never imports Triton.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary``; on CUDA/ROCm with Triton installed, the same formula in one
+    kernel launch (``models.triton_rope``)."""
+    if x.is_cuda and _HAS_TRITON:
+        from tandem.scheduler.models.triton_rope import rotary
+
+        return rotary(x, cos, sin)
+    return apply_rotary(x, cos, sin)
 
 
 class RMSNorm(nn.Module):
@@ -35,6 +48,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            # Accelerators' fused kernel takes the statistics in float32 and rounds once
+            # to x's dtype: the formula below in one launch instead of four, which a
+            # batch-1 decode step (launch-bound) feels in every layer.
+            return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
         x32 = as_dtype(x, torch.float32)  # casts only when they change something
         if x32.numel() <= _FUSED_NORM_MAX_ELEMENTS:
             # One call for a decode-sized input (a small model's step is counted in
@@ -82,7 +100,7 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out: torch.Tensor = self.o_proj(attn.forward(self.layer_id, q, k, v, scale=self.scale))
         return out
 

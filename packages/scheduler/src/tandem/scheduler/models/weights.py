@@ -147,18 +147,23 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
     )
 
 
-def dummy_tensor(name: str, shape: Shape, seed: int, *, is_norm: bool) -> torch.Tensor:
-    """The float32 CPU value of one dummy parameter.
+def dummy_tensor(
+    name: str, shape: Shape, seed: int, *, is_norm: bool, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The float32 value of one dummy parameter, drawn on ``device``.
 
-    It depends on (seed, name, shape) only: not on dtype, device, or the order parameters
-    are created in, so two runs, two dtypes or a refactored module tree get the same
-    weights. Norm weights are ones so activations keep their scale through the layers.
+    It depends on (seed, name, shape, device type) only: not on dtype or the order
+    parameters are created in, so two runs, two dtypes or a refactored module tree get
+    the same weights. Accelerators draw on the device (an 8B model drawn on the host
+    would take a minute), so their values differ from the CPU's. Norm weights are ones
+    so activations keep their scale through the layers.
     """
+    device = torch.device(device)
     if is_norm:
-        return torch.ones(shape)
+        return torch.ones(shape, device=device)
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little"))
-    return torch.randn(shape, generator=generator) * DUMMY_STD
+    generator = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.randn(shape, generator=generator, device=device).mul_(DUMMY_STD)
 
 
 def _build_on_meta(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
@@ -214,7 +219,7 @@ def _fill_dummy(model: CausalLM, seed: int) -> None:
     }
     for name, param in model.named_parameters():
         shape = tuple(param.shape)
-        param.copy_(dummy_tensor(name, shape, seed, is_norm=name in norms))
+        param.copy_(dummy_tensor(name, shape, seed, is_norm=name in norms, device=param.device))
 
 
 def _for_inference(model: CausalLM) -> CausalLM:
