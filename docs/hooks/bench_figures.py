@@ -26,6 +26,24 @@ A page asks for figures with marker lines, each replaced in ``on_page_markdown``
   every file of SET: ``throughput`` (output tokens/s), ``idle`` (device idle fraction),
   ``ttft`` or ``tpot`` (p50, ms; ``tandem bench`` files only).
 
+A third producer, ``tools/bench_gpu.py``, writes one file per model config
+(``bench-gpu-MODEL.json``, marked by ``"benchmark": "bench_gpu"``): copy bandwidth, decode
+step time against the memory roofline per batch size, overlap / normal and tandem /
+transformers output throughput, and device idle fractions. Its markers:
+
+- ``<!-- bench:table SET bench_gpu -->``: a roofline table per model file, then one row per
+  file with the loop, idle and transformers figures, then the recorded commands;
+- ``<!-- bench:summary SET bench_gpu -->``: one bullet per file measured against the targets
+  (the ``TARGET_*`` constants);
+- ``<!-- bench:plot SET utilisation -->``: bandwidth utilisation against batch size (log2),
+  one line per model.
+
+Until such a file exists these markers render a note saying so, never an error.
+
+The results are read from ``benchmarks/results/`` next to ``mkdocs.yml``, or from the folder
+named by the ``TANDEM_BENCH_RESULTS`` environment variable (which holds ``cpu/`` and
+``gpu/`` the same way), so a test can build the site against results of its own.
+
 The SVGs are added to the site as generated files (``assets/bench/SET-METRIC.svg``), so
 nothing generated is committed.
 """
@@ -36,6 +54,7 @@ import io
 import json
 import logging
 import math
+import os
 import posixpath
 import re
 import shlex
@@ -49,7 +68,8 @@ from mkdocs.structure.files import File, Files
 log = logging.getLogger("mkdocs.hooks.bench_figures")
 
 SETS = ("cpu", "gpu")
-KINDS = ("bench_overlap", "tandem_bench")
+KINDS = ("bench_overlap", "tandem_bench", "bench_gpu")
+RESULTS_ENV = "TANDEM_BENCH_RESULTS"
 ASSET_DIR = "assets/bench"
 # Known runs first, in this order; any other run name follows in file order.
 LOOP_ORDER = ("normal", "overlap", "transformers")
@@ -91,6 +111,8 @@ METRICS = {
     "ttft": ("p50_ttft_ms", "TTFT p50, ms (lower is better)", "{:.1f}", False),
     "tpot": ("p50_tpot_ms", "TPOT p50, ms (lower is better)", "{:.2f}", False),
 }
+# Plots of tools/bench_gpu.py files (not bars per loop): metric -> axis label.
+GPU_METRICS = {"utilisation": "bandwidth utilisation, roofline / measured step time"}
 
 MARKER = re.compile(r"^[ \t]*<!--[ \t]*bench:(?P<body>[^\n]*?)[ \t]*-->[ \t]*$", re.MULTILINE)
 
@@ -103,6 +125,7 @@ class Result:
     kind: str
     runs: dict[str, dict[str, Any]]
     command: str | None = None
+    gpu: GpuResult | None = None  # the figures of a tools/bench_gpu.py file
 
     @property
     def name(self) -> str:
@@ -158,6 +181,8 @@ def _load(path: Path, root: Path) -> Result:
         raise _fail(path, root, f"not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise _fail(path, root, "the top level must be a JSON object")
+    if data.get("benchmark") == GPU_BENCHMARK or path.name.startswith("bench-gpu-"):
+        return _load_gpu(path, root, data)
     runs = {k: v for k, v in data.items() if isinstance(v, dict)}
     other = {k: v for k, v in data.items() if not isinstance(v, dict)}
     unknown = sorted(set(other) - TOP_LEVEL)
@@ -228,10 +253,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def results_dir(root: Path) -> Path:
+    """Where the results files are: ``TANDEM_BENCH_RESULTS`` or ``benchmarks/results``."""
+    override = os.environ.get(RESULTS_ENV)
+    return Path(override) if override else root / "benchmarks" / "results"
+
+
 def _read_all(root: Path) -> dict[str, list[Result]]:
     results: dict[str, list[Result]] = {}
     for set_name in SETS:
-        folder = root / "benchmarks" / "results" / set_name
+        folder = results_dir(root) / set_name
         files = sorted(folder.glob("*.json")) if folder.is_dir() else []
         results[set_name] = [_load(path, root) for path in files]
     return results
@@ -445,10 +476,13 @@ def _expand(match: re.Match[str], page_uri: str, empty_noted: set[str]) -> str:
     what, set_name, arg = words
     if set_name not in SETS:
         raise PluginError(f"bench_figures: {where}: SET must be one of {', '.join(SETS)}")
-    if what == "plot" and arg not in METRICS:
-        raise PluginError(f"bench_figures: {where}: METRIC must be one of {', '.join(METRICS)}")
+    if what == "plot" and arg not in METRICS and arg not in GPU_METRICS:
+        metrics = ", ".join([*METRICS, *GPU_METRICS])
+        raise PluginError(f"bench_figures: {where}: METRIC must be one of {metrics}")
     if what != "plot" and arg not in KINDS:
         raise PluginError(f"bench_figures: {where}: KIND must be one of {', '.join(KINDS)}")
+    if arg == GPU_BENCHMARK or arg in GPU_METRICS:
+        return _expand_gpu(what, set_name, page_uri, empty_noted)
 
     every = _state.results.get(set_name, [])
     if not every:  # say it once per page, not under every marker
@@ -479,6 +513,457 @@ def _expand(match: re.Match[str], page_uri: str, empty_noted: set[str]) -> str:
     return LEADS[(what, arg)] + "\n\n" + body
 
 
+# -- tools/bench_gpu.py files ----------------------------------------------------------------------
+GPU_BENCHMARK = "bench_gpu"
+GPU_TOP_LEVEL = {
+    "benchmark",
+    "schema_version",
+    "model",
+    "config",
+    "environment",
+    "command",
+    "settings",
+    "bandwidth",
+    "decode",
+    "overlap",
+    "idle",
+    "transformers",
+    "elapsed_s",
+}
+GPU_SECTIONS = ("environment", "bandwidth", "decode", "overlap", "idle", "transformers")
+# The project's GPU targets (docs/benchmarks.md explains them): bandwidth utilisation at
+# batch 1 with CUDA graphs for the models named, device idle with the overlap loop, and
+# overlap / normal output throughput.
+TARGET_UTILISATION_B1 = 0.70
+TARGET_UTILISATION_MODELS = ("llama-3.1-8b",)
+TARGET_IDLE = 0.02
+TARGET_OVERLAP_VS_NORMAL = 1.0
+MODEL_COLORS = ("#e07b39", "#5b7fa6", "#5a9e6f", "#9467bd", "#8c564b", "#7f7f7f")
+
+
+@dataclass
+class GpuRow:
+    """One batch size of the roofline sweep."""
+
+    batch_size: int
+    cuda_graph: bool
+    measured_s: float
+    roofline_s: float
+
+    @property
+    def utilisation(self) -> float:
+        return self.roofline_s / self.measured_s
+
+
+@dataclass
+class GpuResult:
+    """The figures of one ``tools/bench_gpu.py`` file that the page shows."""
+
+    model: str
+    environment: dict[str, Any]
+    config: dict[str, Any]
+    bandwidth: float
+    weight_bytes: float | None
+    context: int | None
+    rows: list[GpuRow]
+    overlap_tps: float
+    normal_tps: float
+    idle_profiler: float | None
+    idle_timeline: float | None
+    tandem_tps: float | None
+    hf_tps: float | None
+    hf_skipped: str | None
+
+    @property
+    def overlap_vs_normal(self) -> float:
+        return self.overlap_tps / self.normal_tps
+
+    @property
+    def tandem_vs_transformers(self) -> float | None:
+        if self.tandem_tps is None or self.hf_tps is None:
+            return None
+        return self.tandem_tps / self.hf_tps
+
+    def row(self, batch: int, cuda_graph: bool) -> GpuRow | None:
+        return next(
+            (r for r in self.rows if r.batch_size == batch and r.cuda_graph == cuda_graph), None
+        )
+
+
+class _Checker:
+    """Reads typed values out of one file, failing the build with the value's path."""
+
+    def __init__(self, path: Path, root: Path) -> None:
+        self.path, self.root = path, root
+
+    def fail(self, message: str) -> PluginError:
+        return _fail(self.path, self.root, message)
+
+    def section(self, obj: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+        value = obj.get(key)
+        if not isinstance(value, dict):
+            raise self.fail(f"{where + key!r} must be an object, got {value!r}")
+        return value
+
+    def number(self, obj: dict[str, Any], key: str, where: str) -> float:
+        """A positive finite number."""
+        value = self.optional(obj, key, where)
+        if value is None:
+            raise self.fail(f"{where + key!r} is null, expected a positive number")
+        return value
+
+    def optional(
+        self, obj: dict[str, Any], key: str, where: str, *, fraction: bool = False
+    ) -> float | None:
+        """A finite number, positive (or a fraction in [0, 1]), or null; never absent."""
+        if key not in obj:
+            raise self.fail(f"{where + key!r} is missing")
+        value = obj[key]
+        if value is None:
+            return None
+        if not _check_number(value, False):
+            raise self.fail(f"{where + key!r} is {value!r}, expected a finite number")
+        if fraction and not 0.0 <= value <= 1.0:
+            raise self.fail(f"{where + key!r} is {value!r}, expected a fraction in [0, 1]")
+        if not fraction and value <= 0:
+            raise self.fail(f"{where + key!r} is {value!r}, expected a positive number")
+        return float(value)
+
+    def text(self, obj: dict[str, Any], key: str, where: str, *, nullable: bool = False) -> Any:
+        value = obj.get(key)
+        if value is None and nullable:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(f"{where + key!r} must be a non-empty string, got {value!r}")
+        return value
+
+    def ratio(self, obj: dict[str, Any], key: str, where: str, computed: float) -> None:
+        """A recorded ratio must agree with the one computed from its parts."""
+        recorded = self.number(obj, key, where)
+        if not math.isclose(recorded, computed, rel_tol=1e-6):
+            raise self.fail(f"{where + key!r} is {recorded!r}, but its parts give {computed}")
+
+
+def _load_gpu(path: Path, root: Path, data: dict[str, Any]) -> Result:
+    """Check a ``tools/bench_gpu.py`` file: every figure the page shows must be there and
+    sane, and every recorded ratio must match its parts."""
+    check = _Checker(path, root)
+    if data.get("benchmark") != GPU_BENCHMARK:
+        raise check.fail(
+            f"bench-gpu-*.json files come from tools/bench_gpu.py and carry "
+            f"'benchmark': {GPU_BENCHMARK!r}, got {data.get('benchmark')!r}"
+        )
+    unknown = sorted(set(data) - GPU_TOP_LEVEL)
+    if unknown:
+        raise check.fail(f"unexpected top-level key(s) {', '.join(map(repr, unknown))}")
+    model = check.text(data, "model", "")
+    for name in GPU_SECTIONS:
+        check.section(data, name)
+    env = data["environment"]
+    check.text(env, "device_name", "environment.")
+    check.text(env, "torch", "environment.")
+    bandwidth = check.number(data["bandwidth"], "bytes_per_s", "bandwidth.")
+    decode = data["decode"]
+    rows_data = decode.get("rows")
+    if not isinstance(rows_data, list) or not rows_data:
+        raise check.fail("'decode.rows' must be a non-empty list")
+    rows = []
+    for i, raw in enumerate(rows_data):
+        where = f"decode.rows[{i}]."
+        if not isinstance(raw, dict):
+            raise check.fail(f"{where[:-1]!r} must be an object")
+        batch = raw.get("batch_size")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise check.fail(f"{where + 'batch_size'!r} is {batch!r}, expected a positive int")
+        if not isinstance(raw.get("cuda_graph"), bool):
+            raise check.fail(f"{where + 'cuda_graph'!r} must be true or false")
+        row = GpuRow(
+            batch,
+            raw["cuda_graph"],
+            check.number(raw, "measured_s", where),
+            check.number(raw, "roofline_s", where),
+        )
+        check.ratio(raw, "bandwidth_utilisation", where, row.utilisation)
+        rows.append(row)
+    overlap = data["overlap"]
+    loops = {
+        loop: check.number(check.section(overlap, loop, "overlap."), "output_throughput",
+                           f"overlap.{loop}.")
+        for loop in ("overlap", "normal")
+    }  # fmt: skip
+    result = GpuResult(
+        model=model,
+        environment=env,
+        config=data.get("config") if isinstance(data.get("config"), dict) else {},
+        bandwidth=bandwidth,
+        weight_bytes=None,
+        context=decode.get("context") if isinstance(decode.get("context"), int) else None,
+        rows=sorted(rows, key=lambda r: (not r.cuda_graph, r.batch_size)),
+        overlap_tps=loops["overlap"],
+        normal_tps=loops["normal"],
+        idle_profiler=check.optional(
+            data["idle"], "profiler_idle_fraction", "idle.", fraction=True
+        ),
+        idle_timeline=check.optional(
+            data["idle"], "timeline_idle_fraction_window", "idle.", fraction=True
+        ),
+        tandem_tps=None,
+        hf_tps=None,
+        hf_skipped=None,
+    )
+    check.ratio(overlap, "overlap_vs_normal", "overlap.", result.overlap_vs_normal)
+    weights = decode.get("weights")
+    if isinstance(weights, dict):
+        result.weight_bytes = check.number(weights, "bytes_per_step", "decode.weights.")
+    _load_gpu_peer(check, data["transformers"], result)
+    command = data.get("command")
+    if command is not None and (not isinstance(command, str) or not command.strip()):
+        raise check.fail("'command' must be a non-empty string")
+    return Result(path=path, kind=GPU_BENCHMARK, runs={}, command=command, gpu=result)
+
+
+def _load_gpu_peer(check: _Checker, versus: dict[str, Any], result: GpuResult) -> None:
+    """The transformers section: skipped (with the reason) or both throughputs."""
+    if "skipped" in versus:
+        result.hf_skipped = check.text(versus, "skipped", "transformers.")
+        return
+    result.tandem_tps = check.number(
+        check.section(versus, "tandem", "transformers."),
+        "output_throughput",
+        "transformers.tandem.",
+    )
+    result.hf_tps = check.number(
+        check.section(versus, "transformers", "transformers."),
+        "output_throughput",
+        "transformers.transformers.",
+    )
+    computed = result.tandem_vs_transformers
+    assert computed is not None
+    check.ratio(versus, "tandem_vs_transformers", "transformers.", computed)
+
+
+def _gpu_results(results: list[Result]) -> list[GpuResult]:
+    return [r.gpu for r in results if r.gpu is not None]
+
+
+def _bytes(value: float) -> str:
+    return f"{value / 1e9:.2f} GB" if value >= 1e8 else f"{value / 1e6:.2f} MB"
+
+
+def _gpu_heading(r: Result) -> str:
+    g = r.gpu
+    assert g is not None
+    env, cfg = g.environment, g.config
+    shape = []
+    if isinstance(cfg.get("hidden_size"), int) and isinstance(cfg.get("num_hidden_layers"), int):
+        shape.append(f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers")
+    if isinstance(cfg.get("parameters"), int):
+        shape.append(f"{cfg['parameters'] / 1e9:.2f}B parameters")
+    software = [f"torch {env['torch']}"]
+    if isinstance(env.get("cuda"), str):
+        software.append(f"CUDA {env['cuda']}")
+    if isinstance(env.get("date"), str):
+        software.append(env["date"][:10])
+    facts = [f"copy bandwidth {g.bandwidth / 1e9:,.0f} GB/s"]
+    if g.weight_bytes is not None:
+        facts.append(f"{_bytes(g.weight_bytes)} of weights read per step")
+    if g.context is not None:
+        facts.append(f"{g.context} prompt tokens per request")
+    model = f"{g.model} ({', '.join(shape)})" if shape else g.model
+    return (
+        f"**`{r.name}`**: {model} on {env['device_name']}, {', '.join(software)}; "
+        f"{'; '.join(facts)}."
+    )
+
+
+def _gpu_table(results: list[Result]) -> str:
+    """Per file, the roofline rows; then one row per file with the other sections."""
+    parts = []
+    for r in results:
+        g = r.gpu
+        assert g is not None
+        rows = [["batch size", "CUDA graphs", "measured step", "roofline step", "utilisation"]]
+        for row in g.rows:
+            rows.append(
+                [
+                    str(row.batch_size),
+                    "on" if row.cuda_graph else "off",
+                    f"{row.measured_s * 1e3:.3f} ms",
+                    f"{row.roofline_s * 1e3:.3f} ms",
+                    f"{row.utilisation:.1%}",
+                ]
+            )
+        parts.append(_gpu_heading(r) + "\n\n" + _table(rows))
+    head = [
+        "file",
+        "output tokens/s, overlap",
+        "output tokens/s, normal",
+        "overlap / normal",
+        "device idle, profiler",
+        "device idle, timeline",
+        "tandem / transformers",
+    ]
+    rows = [head]
+    for r in results:
+        g = r.gpu
+        assert g is not None
+        versus = g.tandem_vs_transformers
+        rows.append(
+            [
+                f"`{r.name}`",
+                f"{g.overlap_tps:.0f}",
+                f"{g.normal_tps:.0f}",
+                f"{g.overlap_vs_normal:.3f}",
+                _fmt(g.idle_profiler, "{:.2%}"),
+                _fmt(g.idle_timeline, "{:.2%}"),
+                f"{versus:.2f}x" if versus is not None else f"— ({g.hf_skipped})",
+            ]
+        )
+    parts.append(
+        "The loops, the device idle fraction (overlap loop, steady-state decode) and the "
+        "peer, one row per file:\n\n" + _table(rows)
+    )
+    return "\n\n".join(parts)
+
+
+def _verdict(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def _gpu_summary(results: list[Result]) -> str:
+    """One bullet per file: each figure that has a target, against it."""
+    bullets = []
+    for r in results:
+        g = r.gpu
+        assert g is not None
+        parts = []
+        graph, eager = g.row(1, True), g.row(1, False)
+        if graph is not None:
+            text = f"batch 1 uses {graph.utilisation:.1%} of the bandwidth with CUDA graphs"
+            if g.model in TARGET_UTILISATION_MODELS:
+                ok = graph.utilisation >= TARGET_UTILISATION_B1
+                text += f" (target {TARGET_UTILISATION_B1:.0%}: {_verdict(ok)})"
+            parts.append(text)
+        if eager is not None and graph is not None:
+            parts.append(f"{eager.utilisation:.1%} without")
+        elif eager is not None:
+            parts.append(f"batch 1 uses {eager.utilisation:.1%} of the bandwidth, no CUDA graphs")
+        idle = g.idle_profiler if g.idle_profiler is not None else g.idle_timeline
+        if idle is not None:
+            source = "profiler" if g.idle_profiler is not None else "engine timeline"
+            parts.append(
+                f"device idle {idle:.2%} with the overlap loop ({source}; target at most "
+                f"{TARGET_IDLE:.0%}: {_verdict(idle <= TARGET_IDLE)})"
+            )
+        ratio = g.overlap_vs_normal
+        parts.append(
+            f"overlap / normal output throughput {ratio:.3f} (target at least 1: "
+            f"{_verdict(ratio >= TARGET_OVERLAP_VS_NORMAL)})"
+        )
+        versus = g.tandem_vs_transformers
+        if versus is not None:
+            parts.append(f"tandem makes {versus:.2f}x the output tokens/s of transformers")
+        bullets.append(f"- `{r.name}` ({g.model}): " + "; ".join(parts) + ".")
+    return "\n".join(bullets)
+
+
+def _gpu_plot(results: list[Result], set_name: str) -> bytes | None:
+    """Utilisation against batch size (log2 axis): a line per model with CUDA graphs, a
+    hollow marker per batch measured without, and the 70 % target."""
+    found = _gpu_results(results)
+    if not found:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import FixedLocator, PercentFormatter
+
+    with matplotlib.rc_context(
+        {
+            "svg.fonttype": "none",
+            "svg.hashsalt": "tandem-bench",
+            "font.size": 10,
+            "font.family": "sans-serif",
+        }
+    ):
+        fig, ax = plt.subplots(figsize=(8, 4.2))
+        batches: set[int] = set()
+        top = 0.0
+        for index, g in enumerate(found):
+            color = MODEL_COLORS[index % len(MODEL_COLORS)]
+            for graph in (True, False):
+                rows = [r for r in g.rows if r.cuda_graph == graph]
+                if not rows:
+                    continue
+                xs = [r.batch_size for r in rows]
+                ys = [r.utilisation for r in rows]
+                batches.update(xs)
+                top = max(top, *ys)
+                label = g.model + ("" if graph else ", no CUDA graphs")
+                if graph:
+                    ax.plot(xs, ys, marker="o", color=color, label=label)
+                else:
+                    ax.plot(
+                        xs, ys, marker="s", linestyle="none", markerfacecolor="none",
+                        color=color, label=label,
+                    )  # fmt: skip
+        threshold = TARGET_UTILISATION_B1
+        ax.axhline(threshold, color="#7f7f7f", linestyle="--", linewidth=1)
+        ax.annotate(
+            f"target at batch 1: {threshold:.0%}",
+            (min(batches), threshold),
+            xytext=(4, 4),
+            textcoords="offset points",
+            fontsize=8,
+            color="#555555",
+        )
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sorted(batches)))
+        ax.set_xticks(sorted(batches), [str(b) for b in sorted(batches)])
+        ax.set_ylim(0, max(1.0, top * 1.1))
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_xlabel("decode batch size (requests)")
+        ax.set_ylabel("roofline / measured step time")
+        ax.set_title(f"{set_name.upper()}: decode step, share of the memory roofline", fontsize=11)
+        ax.spines[["top", "right"]].set_visible(False)
+        ax.grid(alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+        fig.patch.set_facecolor("white")
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(
+            buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None}
+        )
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def _expand_gpu(what: str, set_name: str, page_uri: str, noted: set[str]) -> str:
+    """A bench_gpu table or summary, or the utilisation plot; a note while no file exists."""
+    results = [r for r in _state.results.get(set_name, []) if r.kind == GPU_BENCHMARK]
+    if not results:
+        key = f"{set_name}:{GPU_BENCHMARK}"
+        if key in noted:
+            return ""
+        noted.add(key)
+        return (
+            f"*No {set_name.upper()} results committed yet: `benchmarks/results/{set_name}/` "
+            "holds no `bench-gpu-*.json` file from `tools/bench_gpu.py`. The tables, the "
+            "targets and the plot appear here once one is committed.*"
+        )
+    if what == "plot":
+        src_uri = _state.plots.get((set_name, "utilisation"))
+        if src_uri is None:
+            return ""
+        rel = posixpath.relpath(src_uri, posixpath.dirname(page_uri) or ".")
+        return f"![{set_name.upper()}: {GPU_METRICS['utilisation']}]({rel})"
+    if what == "summary":
+        return "Each file against the targets:\n\n" + _gpu_summary(results)
+    return "\n\n".join(filter(None, (_gpu_table(results), _commands(results))))
+
+
 # -- mkdocs events -------------------------------------------------------------------------------
 def on_config(config: Any) -> None:
     global _state
@@ -493,10 +978,15 @@ def on_files(files: Files, config: Any) -> Files:
     for page in files.documentation_pages():
         for match in MARKER.finditer(page.content_string):
             words = match.group("body").split()
-            if len(words) == 3 and words[0] == "plot" and words[1] in SETS and words[2] in METRICS:
+            plottable = words[2] in METRICS or words[2] in GPU_METRICS if len(words) == 3 else False
+            if plottable and words[0] == "plot" and words[1] in SETS:
                 wanted.add((words[1], words[2]))
     for set_name, metric in sorted(wanted):
-        svg = _plot(_state.results.get(set_name, []), metric, set_name)
+        results = _state.results.get(set_name, [])
+        if metric in GPU_METRICS:
+            svg = _gpu_plot(results, set_name)
+        else:
+            svg = _plot(results, metric, set_name)
         if svg is None:
             _state.plots[(set_name, metric)] = None
             continue
@@ -513,6 +1003,6 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
 def on_serve(server: Any, config: Any, builder: Any) -> None:
     for set_name in SETS:
-        folder = _state.root / "benchmarks" / "results" / set_name
+        folder = results_dir(_state.root) / set_name
         if folder.is_dir():
             server.watch(str(folder))
