@@ -14,8 +14,8 @@ command line:
   ``--eager-batch-sizes``, without;
 - ``overlap``: output tokens/s of one workload through the overlap loop and the normal
   loop, and their ratio;
-- ``idle``: the device idle fraction over a steady-state decode window of the overlap
-  loop, from the torch profiler's kernel and memcpy intervals (CUDA only) and from the
+- ``idle``: the device idle fraction over one whole run of the overlap loop (prefill
+  included), from the torch profiler's kernel and memcpy intervals (CUDA only) and from the
   engine's own forward-stream timeline;
 - ``transformers``: output tokens/s of tandem and of transformers' batched greedy
   ``generate`` on the same prompts, and their ratio.
@@ -844,7 +844,7 @@ def format_report(report: dict[str, Any]) -> str:
     prof = idle["profiler_idle_fraction"]
     timeline = idle["timeline_idle_fraction_window"]
     lines.append(
-        "  device idle (overlap, decode window): profiler "
+        "  device idle (overlap, whole run): profiler "
         + ("-" if prof is None else f"{prof:.2%}")
         + ", timeline "
         + ("-" if timeline is None else f"{timeline:.2%}")

@@ -820,7 +820,7 @@ def _gpu_table(results: list[Result]) -> str:
             ]
         )
     parts.append(
-        "The loops, the device idle fraction (overlap loop, steady-state decode) and the "
+        "The loops, the device idle fraction (overlap loop, one whole run) and the "
         "peer, one row per file:\n\n" + _table(rows)
     )
     return "\n\n".join(parts)
