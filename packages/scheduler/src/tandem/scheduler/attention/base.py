@@ -104,3 +104,17 @@ def write_kv(
     k_buf.index_copy_(0, out_cache_loc, as_dtype(k, k_buf.dtype))
     v_buf.index_copy_(0, out_cache_loc, as_dtype(v, v_buf.dtype))
     return k_buf, v_buf
+
+
+def masked_shape(
+    kv_slots: torch.Tensor, mask: torch.Tensor, out_cache_loc: torch.Tensor
+) -> tuple[int, int, int]:
+    """``(B, Q, K)`` of a ``plan_masked`` call, after checking that its three inputs
+    agree (a ``ValueError`` naming their shapes otherwise)."""
+    b, q, k = mask.shape
+    if tuple(kv_slots.shape) != (b, k) or out_cache_loc.numel() != b * q:
+        raise ValueError(
+            f"plan_masked: kv_slots {tuple(kv_slots.shape)}, mask {tuple(mask.shape)} "
+            f"and out_cache_loc [{out_cache_loc.numel()}] disagree"
+        )
+    return b, q, k

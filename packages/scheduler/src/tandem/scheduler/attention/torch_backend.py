@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.scheduler.attention.base import AttentionBackend, KVCacheView, write_kv
+from tandem.scheduler.attention.base import (
+    AttentionBackend,
+    KVCacheView,
+    masked_shape,
+    write_kv,
+)
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
 
@@ -75,12 +80,7 @@ class TorchAttention(AttentionBackend):
     def plan_masked(
         self, kv_slots: torch.Tensor, mask: torch.Tensor, out_cache_loc: torch.Tensor
     ) -> None:
-        b, q, k = mask.shape
-        if tuple(kv_slots.shape) != (b, k) or out_cache_loc.numel() != b * q:
-            raise ValueError(
-                f"plan_masked: kv_slots {tuple(kv_slots.shape)}, mask {tuple(mask.shape)} "
-                f"and out_cache_loc [{out_cache_loc.numel()}] disagree"
-            )
+        b, q, _ = masked_shape(kv_slots, mask, out_cache_loc)
         # Exactly Q tokens per request: the packed layout is the padded one.
         self._plan = _Plan(out_cache_loc, kv_slots, None, mask.unsqueeze(1), b, q)
 

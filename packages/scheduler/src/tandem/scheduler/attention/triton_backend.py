@@ -19,7 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from tandem.scheduler.attention import triton_kernels as kernels
-from tandem.scheduler.attention.base import AttentionBackend, HeadShape, KVCacheView, write_kv
+from tandem.scheduler.attention.base import (
+    AttentionBackend,
+    HeadShape,
+    KVCacheView,
+    masked_shape,
+    write_kv,
+)
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 
 DEFAULT_KV_SPLITS = 8
@@ -106,12 +112,7 @@ class TritonAttention(AttentionBackend):
     def plan_masked(
         self, kv_slots: torch.Tensor, mask: torch.Tensor, out_cache_loc: torch.Tensor
     ) -> None:
-        b, q, k = mask.shape
-        if tuple(kv_slots.shape) != (b, k) or out_cache_loc.numel() != b * q:
-            raise ValueError(
-                f"plan_masked: kv_slots {tuple(kv_slots.shape)}, mask {tuple(mask.shape)} "
-                f"and out_cache_loc [{out_cache_loc.numel()}] disagree"
-            )
+        masked_shape(kv_slots, mask, out_cache_loc)
         # Triton loads bytes, not bools: a zero-copy uint8 view of the mask.
         bits = mask.contiguous().view(torch.uint8)
         self._plan = _MaskedPlan(out_cache_loc, kv_slots.long().contiguous(), bits)
