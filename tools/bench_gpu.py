@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.scheduler.models import ModelConfig, resolve_dtype
+from tandem.server.bench import left_padded, median_run, synchronize
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_DIR = ROOT / "benchmarks" / "configs"
@@ -181,11 +182,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 
 # -- the machine ----------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.get_device_module(device).synchronize(device)
-
-
 def environment(device: torch.device) -> dict[str, Any]:
     """What a reader needs to compare two files: the device, the software, the date."""
     if device.type == "cuda":
@@ -231,7 +227,7 @@ def measure_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict[s
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         if device.type == "cpu":
@@ -490,7 +486,7 @@ def sweep(
     CUDA graphs only if the engine captured a graph for its batch size (a larger batch
     runs eagerly even with graphs on)."""
     vocab = engine.model_config.vocab_size
-    captured = max(getattr(engine, "cuda_graph_batch_sizes", None) or [0])
+    captured = max(engine.cuda_graph_batch_sizes or [0])
     rows = []
     for batch in sorted(batches):
         graphed = cuda_graph and batch <= captured
@@ -532,10 +528,7 @@ def throughput_runs(
         run["output_throughput"] = run["output_tokens"] / run["wall_s"]
         run["device_idle_fraction"] = _idle(run)
         runs.append(run)
-    ordered = sorted(runs, key=lambda run: run["output_throughput"])
-    chosen = dict(ordered[(len(ordered) - 1) // 2])
-    chosen["output_throughput_runs"] = [run["output_throughput"] for run in runs]
-    return chosen
+    return median_run(runs)
 
 
 def warm_up(engine: Any) -> None:
@@ -655,19 +648,19 @@ def transformers_runs(
     runs = []
     with torch.inference_mode():
         warm = random_prompts(config.vocab_size, 2, 16, ("warm",))
-        ids, mask = _left_padded(warm, device)
+        ids, mask = left_padded(warm, 0, device)
         model.generate(
             input_ids=ids,
             attention_mask=mask,
             **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4},
         )
-        _sync(device)
+        synchronize(device)
         for r in range(repeats):
             prompts = random_prompts(config.vocab_size, requests, input_len, (seed, "hf", r))
-            ids, mask = _left_padded(prompts, device)
+            ids, mask = left_padded(prompts, 0, device)
             start = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            _sync(device)
+            synchronize(device)
             wall = time.perf_counter() - start
             tokens = (out.shape[1] - ids.shape[1]) * len(prompts)
             runs.append(
@@ -675,22 +668,7 @@ def transformers_runs(
             )
     del model
     _free(device)
-    ordered = sorted(runs, key=lambda run: run["output_throughput"])
-    chosen = dict(ordered[(len(ordered) - 1) // 2])
-    chosen["output_throughput_runs"] = [run["output_throughput"] for run in runs]
-    return chosen
-
-
-def _left_padded(
-    prompts: list[list[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
+    return median_run(runs)
 
 
 # -- one model ------------------------------------------------------------------------------------
@@ -738,7 +716,7 @@ def bench_model(name: str, args: argparse.Namespace, plan: Plan, argv: list[str]
 
     def on_main(engine: Any) -> None:
         sections["engine_parameters"] = engine_parameters(engine)
-        sections["graph_sizes"] = list(getattr(engine, "cuda_graph_batch_sizes", None) or [])
+        sections["graph_sizes"] = engine.cuda_graph_batch_sizes
         sections["attention_backend"] = getattr(engine, "attention_backend", None)
         sections["rows"] = sweep(engine, plan.batch_sizes, plan, cuda, model, args.seed)
         if not args.skip_transformers:

@@ -316,17 +316,23 @@ def _plot(results: list[Result], metric: str, set_name: str) -> bytes | None:
             ax.xaxis.set_major_formatter(PercentFormatter(1.0))
         ax.set_xlabel(label)
         ax.set_title(f"{set_name.upper()}: {label.split(' (')[0]} per loop", fontsize=11)
-        ax.spines[["top", "right"]].set_visible(False)
         ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-        fig.patch.set_facecolor("white")  # readable on the dark palette too
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(
-            buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None}
-        )
-        plt.close(fig)
+        return _svg(fig, ax)
+
+
+def _svg(fig: Any, ax: Any) -> bytes:
+    """The shared finish of every plot (frame, legend on the right, white background,
+    reproducible SVG bytes), inside the caller's ``rc_context``."""
+    import matplotlib.pyplot as plt
+
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_axisbelow(True)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    fig.patch.set_facecolor("white")  # readable on the dark palette too
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
     return buf.getvalue()
 
 
@@ -926,18 +932,8 @@ def _gpu_plot(results: list[Result], set_name: str) -> bytes | None:
         ax.set_xlabel("decode batch size (requests)")
         ax.set_ylabel("roofline / measured step time")
         ax.set_title(f"{set_name.upper()}: decode step, share of the memory roofline", fontsize=11)
-        ax.spines[["top", "right"]].set_visible(False)
         ax.grid(alpha=0.3)
-        ax.set_axisbelow(True)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-        fig.patch.set_facecolor("white")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(
-            buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None}
-        )
-        plt.close(fig)
-    return buf.getvalue()
+        return _svg(fig, ax)
 
 
 def _expand_gpu(what: str, set_name: str, page_uri: str, noted: set[str]) -> str:

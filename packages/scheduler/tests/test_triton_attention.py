@@ -233,7 +233,7 @@ def test_decode_plan_reads_only_device_tensors(device: str) -> None:
 def test_default_backend_is_triton_on_gpus_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert attention.default_backend(torch.device("cpu")) == "torch"
     assert attention.default_backend(torch.device("cuda")) == "triton"  # ROCm too
-    monkeypatch.setattr(attention, "_has_triton", lambda: False)
+    monkeypatch.setattr(attention, "triton_available", lambda: False)
     assert attention.default_backend(torch.device("cuda")) == "torch"
 
 
@@ -251,7 +251,7 @@ def test_cpu_without_the_interpreter_and_missing_triton_are_named(
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         create_attention_backend("triton", kv, pool.req_to_token, cpu, heads)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(attention, "_has_triton", lambda: False)
+    monkeypatch.setattr(attention, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="needs the 'triton' package"):
         create_attention_backend("triton", kv, pool.req_to_token, cpu, heads)
 

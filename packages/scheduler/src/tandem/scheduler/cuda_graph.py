@@ -47,10 +47,18 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 @dataclass
-class _Graph:
-    graph: Any  # torch.cuda.CUDAGraph
+class _Inputs:
+    """The static inputs of one captured size."""
+
     ids: torch.Tensor  # [bs] int64 input ids, resolved into on the forward stream
     block: torch.Tensor  # [4, bs] int64 positions / rows / seq_lens / KV slots
+    ones: torch.Tensor  # [bs] int64 extend lengths: one new token each, never written
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: _Inputs
     logits: torch.Tensor  # [bs, vocab] float32 output, overwritten by each replay
 
 
@@ -100,15 +108,15 @@ class DecodeGraphRunner:
             graph = module.CUDAGraph()
             with module.graph(graph, pool=pool, stream=stream):
                 logits = self._forward(static)
-            self._graphs[bs] = _Graph(graph, static.ids, static.block, logits)
+            self._graphs[bs] = _Graph(graph, static, logits)
         stream.synchronize()
 
-    def _static_inputs(self, bs: int) -> _Graph:
+    def _static_inputs(self, bs: int) -> _Inputs:
         block = torch.tensor([[v] * bs for v in _PAD], dtype=torch.int64, device=self.device)
         ids = torch.zeros(bs, dtype=torch.int64, device=self.device)
-        return _Graph(None, ids, block, torch.empty(0))
+        return _Inputs(ids, block, torch.ones(bs, dtype=torch.int64, device=self.device))
 
-    def _forward(self, static: _Graph) -> torch.Tensor:
+    def _forward(self, static: _Inputs) -> torch.Tensor:
         bs = static.ids.numel()
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
@@ -116,8 +124,9 @@ class DecodeGraphRunner:
             positions=static.block[_POSITIONS],
             req_pool_indices=static.block[_ROWS],
             seq_lens=static.block[_SEQ_LENS],
-            prefix_lens=static.block[_SEQ_LENS] - 1,
-            extend_lens=torch.ones(bs, dtype=torch.int64, device=self.device),
+            # A decode token's position is its prefix length: a view, no kernel to replay.
+            prefix_lens=static.block[_POSITIONS],
+            extend_lens=static.ones,
             out_cache_loc=static.block[_SLOTS],
             # Host lists of the capture's own padding: a graph-capable backend's
             # decode plan reads the device tensors only.
@@ -155,7 +164,7 @@ class DecodeGraphRunner:
             [*out_cache_loc, *[_PAD[_SLOTS]] * pad],
         ]
         block = torch.tensor(host, dtype=torch.int64, pin_memory=True)
-        g.block.copy_(block, non_blocking=True)
-        g.ids[:n].copy_(input_ids)
+        g.inputs.block.copy_(block, non_blocking=True)
+        g.inputs.ids[:n].copy_(input_ids)
         g.graph.replay()
         return g.logits[:n]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tandem.futuremap import FutureMap, create_stream, read_env
+from tandem.futuremap import DeviceStream, FutureMap, create_stream, read_env
 from tandem.scheduler.attention import (
     AttentionBackend,
     HeadShape,
@@ -171,11 +171,7 @@ class Engine:
             future_map=future_map,
             stream=create_stream(self.device, name="tandem-forward"),
             spec=spec,
-            copy_stream=(
-                None
-                if self.device.type == "cpu"
-                else create_stream(self.device, name="tandem-copy")
-            ),
+            copy_stream=None if self.device.type == "cpu" else DeviceStream(self.device),
             graphs=graphs,
         )
         self.attention_backend = backend
@@ -193,7 +189,6 @@ class Engine:
         """Capture the decode forward in CUDA graphs, unless disabled or impossible
         (not CUDA, a backend that cannot be captured, speculative decoding)."""
         cfg = self.config
-        self.cuda_graph_batch_sizes: list[int] = []
         if self.device.type != "cuda" or cfg.disable_cuda_graph or cfg.speculative:
             return None
         if not attention.supports_cuda_graph:
@@ -205,7 +200,6 @@ class Engine:
         max_bs = min(cfg.cuda_graph_max_bs or 256, cfg.max_running_requests)
         graphs = DecodeGraphRunner(model, attention, self.device, max_bs)
         graphs.capture()
-        self.cuda_graph_batch_sizes = list(graphs.sizes)
         return graphs
 
     def _num_pages(self, layout: KVLayout) -> int:
@@ -276,6 +270,12 @@ class Engine:
         ``finish_reason`` ``{"type": "abort", ...}``; its row and KV pages come back
         once no launched batch still uses them. Unknown or finished ids are ignored."""
         self._inbox.put(("abort", request_id))
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """Decode batch sizes captured in CUDA graphs (empty without graphs)."""
+        graphs = self.scheduler.runner.graphs
+        return list(graphs.sizes) if graphs is not None else []
 
     def get_server_info(self) -> dict[str, Any]:
         """Configuration, model facts, memory and counters, as one dict."""

@@ -14,11 +14,12 @@ batches replay a captured CUDA graph when a ``DecodeGraphRunner`` is given.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from tandem.futuremap import Event, FutureMap, Stream, Work
+from tandem.futuremap import DeviceStream, Event, FutureMap, Stream, Work
 from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
@@ -67,11 +68,13 @@ class SamplingSpec:
 
 @dataclass
 class StepResult:
-    """Host copies of one batch's outputs, valid after its copy-done event.
+    """One batch's outputs. The step makes them on the device; what
+    ``LaunchedBatch.wait`` returns are host tensors (on an accelerator, copies made on the
+    copy stream), valid after the batch's copy-done event.
 
-    Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled). After
-    a speculative step ``next_token_ids`` is ``[B, max_accept]`` and ``accept_lens``
-    says how many of each row's tokens count."""
+        Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled). After
+        a speculative step ``next_token_ids`` is ``[B, max_accept]`` and ``accept_lens``
+        says how many of each row's tokens count."""
 
     next_token_ids: torch.Tensor
     accept_lens: torch.Tensor | None = None
@@ -109,7 +112,7 @@ class ModelRunner:
         future_map: FutureMap,
         stream: Stream,
         spec: SpeculativeWorker | None = None,
-        copy_stream: Stream | None = None,
+        copy_stream: DeviceStream | None = None,
         graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
@@ -136,11 +139,13 @@ class ModelRunner:
         ``new_period``: the scheduler was idle before this batch (for the timeline)."""
         work = self.stream.submit(self._timed_step, batch, sampling, new_period)
         if self.copy_stream is None:
+            # The CPU: the step's outputs are host tensors already.
             return LaunchedBatch(batch, work, self.stream.record_event())
-        # The copies were queued on the copy stream during the step; copy-done also
-        # waits for the whole forward, so a batch without outputs completes after it.
+        # An accelerator stream runs the submitted step at once (it only enqueues), so
+        # its device outputs exist now: copy them on the copy stream after the forward.
         self.copy_stream.wait_stream(self.stream)
-        return LaunchedBatch(batch, work, self.copy_stream.record_event())
+        host = self.copy_stream.submit(self._copy_out, work.result())
+        return LaunchedBatch(batch, host, self.copy_stream.record_event())
 
     def discard_rows(self, rows: list[int]) -> None:
         """Freed rows forget their futures, in stream order (after any queued read).
@@ -249,7 +254,7 @@ class ModelRunner:
         self.future_map.stash(rows, next_ids)
         if info is not None and info.need_penalties:
             self.penalties.record(rows, next_ids)
-        return next_ids, self._to_host(out, logits if batch.return_logits else None)
+        return next_ids, self._step_result(out, logits if batch.return_logits else None)
 
     def _graph_fits(self, batch: ScheduledBatch) -> bool:
         return (
@@ -316,50 +321,34 @@ class ModelRunner:
                 steps=list(batch.spec_steps),
             )
         )
-        tokens, accept_lens = self._host_copies(out.tokens, out.accept_lens)
-        assert tokens is not None
-        return StepResult(next_token_ids=tokens, accept_lens=accept_lens)
+        return StepResult(next_token_ids=out.tokens, accept_lens=out.accept_lens)
 
-    def _to_host(self, out: SampleOutput, logits: torch.Tensor | None) -> StepResult:
+    @staticmethod
+    def _step_result(out: SampleOutput, logits: torch.Tensor | None) -> StepResult:
         top = out.top_logprobs
-        ids, logprobs, top_values, top_ids, host_logits = self._host_copies(
-            out.next_token_ids,
-            out.logprobs,
-            top[0] if top is not None else None,
-            top[1] if top is not None else None,
-            logits,
-        )
-        assert ids is not None
         return StepResult(
-            next_token_ids=ids,
-            logprobs=logprobs,
-            top_logprob_values=top_values,
-            top_logprob_ids=top_ids,
-            logits=host_logits,
+            next_token_ids=out.next_token_ids,
+            logprobs=out.logprobs,
+            top_logprob_values=top[0] if top is not None else None,
+            top_logprob_ids=top[1] if top is not None else None,
+            logits=logits,
         )
 
-    def _host_copies(self, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-        """Non-blocking copies into host memory, read after copy-done. On an
-        accelerator they run on the copy stream, after the forward stream's work so
-        far, into pinned memory; each source is marked as used by the copy stream so
-        the caching allocator does not hand its memory to the next batch early."""
-        if self.copy_stream is None:
-            return [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
-        self.copy_stream.wait_stream(self.stream)
-        work = self.copy_stream.submit(self._copy_out, tensors)
-        return work.result()
-
-    def _copy_out(self, tensors: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        """On the copy stream (see ``_host_copies``)."""
+    def _copy_out(self, result: StepResult) -> StepResult:
+        """On the copy stream: ``result``'s device tensors copied into pinned host
+        memory without blocking (read after copy-done). Each source is marked as used by
+        the copy stream, so the caching allocator does not hand its memory to the next
+        batch before the copy has read it."""
         assert self.copy_stream is not None
-        raw = getattr(self.copy_stream, "raw", None)
-        copies: list[torch.Tensor | None] = []
-        for t in tensors:
-            if t is None:
-                copies.append(None)
-                continue
-            if raw is not None:
-                t.record_stream(raw)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            copies.append(host.copy_(t, non_blocking=True))
-        return copies
+        raw = self.copy_stream.raw
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device.type == "cpu":  # None, or an empty host placeholder
+                return t
+            t.record_stream(raw)
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        fields = dataclasses.fields(result)
+        return dataclasses.replace(
+            result, **{f.name: host(getattr(result, f.name)) for f in fields}
+        )

@@ -341,13 +341,8 @@ def run_transformers(
     if pad is None:
         eos = model.config.eos_token_id
         pad = (eos[0] if isinstance(eos, list) else eos) or 0
-    width = max(len(p) for p in workload.prompts)
-    ids = torch.full((len(workload.prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(workload.prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = left_padded(workload.prompts, pad, device)
+    width = ids.shape[1]
     new = max(workload.output_lens)
     kwargs = {
         "max_new_tokens": new,
@@ -358,12 +353,12 @@ def run_transformers(
     with torch.inference_mode():
         warm = {**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
         model.generate(input_ids=ids[:1], attention_mask=mask[:1], **warm)
-        _sync(device)
+        synchronize(device)
         results = []
         for _ in range(repeats):
             start = time.perf_counter()
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            _sync(device)
+            synchronize(device)
             duration = time.perf_counter() - start
             generated = out.shape[1] - width
             out_tokens = [min(k, generated) for k in workload.output_lens]
@@ -371,6 +366,20 @@ def run_transformers(
             results.append(_result(workload, duration, out_tokens, None, None, [tpot], None, None))
     del model
     return results
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad: int, device: Any) -> tuple[Any, Any]:
+    """``(input_ids, attention_mask)`` of a batch padded on the left with ``pad``, the
+    layout transformers' batched ``generate`` wants for decoder-only models."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
 
 
 def median_run(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -383,11 +392,12 @@ def median_run(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return chosen
 
 
-def _sync(device: Any) -> None:
+def synchronize(device: Any) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU), before reading a clock."""
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
 
 
 # -- report ---------------------------------------------------------------------------------------

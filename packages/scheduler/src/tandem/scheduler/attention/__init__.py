@@ -13,13 +13,21 @@ import torch
 
 from tandem.scheduler.attention.base import AttentionBackend, HeadShape, KVCacheView
 
-__all__ = ["BACKENDS", "AttentionBackend", "HeadShape", "KVCacheView", "create_attention_backend"]
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "HeadShape",
+    "KVCacheView",
+    "create_attention_backend",
+    "triton_available",
+]
 
 BACKENDS = ("torch", "triton", "flashinfer")
 
 
-def _has_triton() -> bool:
-    # find_spec, not import: importing Triton costs time and this runs on every start.
+def triton_available() -> bool:
+    """Whether Triton is installed; looked up, not imported (importing Triton costs
+    time, and a CPU machine should never pay it)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -27,7 +35,7 @@ def default_backend(device: torch.device) -> str:
     """``triton`` on a GPU (CUDA or ROCm; torch names both ``cuda``) when Triton is
     installed: it reads the paged cache in place and its decode can be captured in a
     CUDA graph. ``torch`` otherwise, and always on the CPU."""
-    if device.type == "cuda" and _has_triton():
+    if device.type == "cuda" and triton_available():
         return "triton"
     return "torch"
 
@@ -52,7 +60,7 @@ def create_attention_backend(
                 "attention_backend='triton' needs a CUDA or ROCm device (on a CPU it runs "
                 f"only under TRITON_INTERPRET=1, for tests), got {device}"
             )
-        if not _has_triton():
+        if not triton_available():
             raise ValueError(
                 "attention_backend='triton' needs the 'triton' package, which is not "
                 "importable here"

@@ -86,7 +86,7 @@ class AttentionBackend(ABC):
         """
         raise NotImplementedError(
             f"the {type(self).__name__} attention backend has no custom-mask attention, "
-            "which speculative decoding needs; use attention_backend='torch'"
+            "which speculative decoding needs; use attention_backend='torch' or 'triton'"
         )
 
 

@@ -10,13 +10,13 @@ is a copy by name.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.scheduler.attention import triton_available
 from tandem.scheduler.attention.base import AttentionBackend
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.models.config import ModelConfig
@@ -24,8 +24,7 @@ from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 
 # Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
 _FUSED_NORM_MAX_ELEMENTS = 64 * 1024
-# Looked up, not imported: importing the model on a CPU machine never imports Triton.
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_HAS_TRITON = triton_available()  # importing the model never imports Triton
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
