@@ -15,6 +15,7 @@ batches replay a captured CUDA graph when a ``DecodeGraphRunner`` is given.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,15 @@ class StepResult:
     top_logprob_values: torch.Tensor | None = None
     top_logprob_ids: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """Device indices of a batch's sampling requests: the position of each one's last
+    token in the ``[T]`` layout (None when every token samples, in order) and its row."""
+
+    last: torch.Tensor | None
+    rows: torch.Tensor
 
 
 @dataclass
@@ -167,29 +177,41 @@ class ModelRunner:
         return list(flat.to(self.device, non_blocking=True).split([len(c) for c in columns]))
 
     def _write_tables(self, batch: ScheduledBatch) -> None:
-        # Enqueued on the forward stream: a queued forward may still read the table.
+        """The batch's req_to_token entries and penalty resets, in stream order (a queued
+        forward may still read the table)."""
         if batch.table_rows:
-            table = self.req_pool.req_to_token
-            rows, cols, slots = self._tensors(batch.table_rows, batch.table_cols, batch.table_slots)
-            table[rows, cols] = slots.to(table.dtype)
+            self._write_table(*self._tensors(batch.table_rows, batch.table_cols, batch.table_slots))
+        self._reset_penalties(batch)
+
+    def _write_table(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        table = self.req_pool.req_to_token
+        table[rows, cols] = slots.to(table.dtype)
+
+    def _reset_penalties(self, batch: ScheduledBatch) -> None:
         for reset in batch.penalty_resets:
             outputs = self._tensor(reset.output_ids) if reset.output_ids else None
             self.penalties.reset_row(
                 reset.row, self._tensor(reset.prompt_ids), reset.params, output_ids=outputs
             )
 
-    def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        input_ids = self.future_map.resolve_mixed(batch.prefill_tokens, batch.decode_rows)
+    def _prepare_eager(self, batch: ScheduledBatch) -> tuple[ForwardBatch, _Sampled]:
+        """Write the batch's table entries and build its ``ForwardBatch`` and sampling
+        indices, with one host-to-device copy for all of them (each copy costs the
+        forward stream several microseconds, which a small model's step feels)."""
         seq_lens = batch.seq_lens
-        positions, rows, seq_lens_t, prefix_lens, extend_lens, out_cache_loc = self._tensors(
-            batch.positions,
-            batch.rows,
-            seq_lens,
-            batch.prefix_lens,
-            batch.extend_lens,
-            batch.out_cache_loc,
-        )
-        return ForwardBatch(
+        ends = list(itertools.accumulate(batch.extend_lens))
+        sample_last = [ends[i] - 1 for i in batch.sample_indices]
+        (table_rows, table_cols, table_slots, positions, rows, seq_lens_t, prefix_lens,
+         extend_lens, out_cache_loc, last, sample_rows) = self._tensors(
+            batch.table_rows, batch.table_cols, batch.table_slots,
+            batch.positions, batch.rows, seq_lens, batch.prefix_lens, batch.extend_lens,
+            batch.out_cache_loc, sample_last, batch.sample_rows,
+        )  # fmt: skip
+        if batch.table_rows:
+            self._write_table(table_rows, table_cols, table_slots)
+        self._reset_penalties(batch)
+        input_ids = self.future_map.resolve_mixed(batch.prefill_tokens, batch.decode_rows)
+        fb = ForwardBatch(
             mode=batch.mode,
             input_ids=input_ids,
             positions=positions,
@@ -202,6 +224,10 @@ class ModelRunner:
             prefix_lens_cpu=list(batch.prefix_lens),
             extend_lens_cpu=list(batch.extend_lens),
         )
+        # Every token samples, in order (a decode batch): the hidden states need no gather.
+        total = ends[-1] if ends else 0
+        every_token = len(sample_last) == total and sample_last == list(range(total))
+        return fb, _Sampled(None if every_token else last, sample_rows)
 
     def _timed_step(
         self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool
@@ -214,12 +240,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
-        self._write_tables(batch)
         if batch.mode is ForwardMode.SPEC_DECODE:
+            self._write_tables(batch)
             return self._spec_step(batch, sampling)
         if self._graph_fits(batch):
+            self._write_tables(batch)
             return self._graph_step(batch, sampling)
-        fb = self._forward_batch(batch)
+        fb, sampled = self._prepare_eager(batch)
         self.attention.plan(fb)
         capture = self.spec.capture_layers if self.spec is not None else ()
         hidden, captured = self.model.forward_capture(
@@ -228,10 +255,9 @@ class ModelRunner:
         next_ids = None
         result = StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
         if batch.sample_indices and sampling is not None:
-            indices, rows = self._tensors(batch.sample_indices, batch.sample_rows)
-            last = fb.last_token_indices.index_select(0, indices)
-            logits = self.model.compute_logits(hidden.index_select(0, last))
-            next_ids, result = self._sample(batch, sampling, logits, rows)
+            last = hidden if sampled.last is None else hidden.index_select(0, sampled.last)
+            logits = self.model.compute_logits(last)
+            next_ids, result = self._sample(batch, sampling, logits, sampled.rows)
         if self.spec is not None:
             features = torch.cat(captured, dim=-1) if captured else hidden
             self._draft_after_prefill(batch, fb, features, next_ids)

@@ -4,6 +4,8 @@ One batched SDPA call per layer covers every request of the batch: queries are p
 to ``[B, max_new_tokens]`` and keys gathered to ``[B, max_seq_len]`` through the
 request-to-token table, with a boolean mask for causality and padding. The index
 tensors and the mask are built once per batch in ``plan`` and reused by every layer.
+
+Decode on the CPU takes a faster layout of the same SDPA call: see ``_grouped_decode``.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ class _Plan:
     # [T] index of each new token in the padded [B * Q] layout; None when every request
     # brings exactly Q tokens (decode, verify), so the packed layout is the padded one.
     query_slot: torch.Tensor | None
-    mask: torch.Tensor  # [B, 1, Q, L] True where a query may attend a key
+    # [B, 1, Q, L] True where a query may attend a key; for grouped decode an additive
+    # float mask instead (0 or -inf), in the KV cache's dtype.
+    mask: torch.Tensor
     batch: int
     max_query: int
+    grouped_decode: bool = False  # attend with ``_grouped_decode``
 
 
 class TorchAttention(AttentionBackend):
@@ -57,6 +62,10 @@ class TorchAttention(AttentionBackend):
             # (seq_lens = prefix_lens + 1), so the causal mask is just k < seq_len.
             k_pos = torch.arange(max_seq, device=device)
             mask = (k_pos < batch.seq_lens.view(b, 1)).view(b, 1, 1, max_seq)
+            if device.type == "cpu":
+                bias = _additive_mask(mask, self.kv_cache.k_buffer(0).dtype)
+                self._plan = _Plan(batch.out_cache_loc, kv_slots, None, bias, b, 1, True)
+                return
             self._plan = _Plan(batch.out_cache_loc, kv_slots, None, mask, b, 1)
             return
         offsets = None
@@ -94,6 +103,8 @@ class TorchAttention(AttentionBackend):
         _, num_heads, head_dim = q.shape
         keys = as_dtype(_gather(k_buf, plan.kv_slots), q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         values = as_dtype(_gather(v_buf, plan.kv_slots), q.dtype).transpose(1, 2)
+        if plan.grouped_decode:
+            return _grouped_decode(q, keys, values, as_dtype(plan.mask, q.dtype), scale)
         padded = q
         if plan.query_slot is not None:
             padded = q.new_zeros((plan.batch * plan.max_query, num_heads, head_dim))
@@ -117,3 +128,43 @@ def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     which is the largest cost of a small model's decode step."""
     b, length = slots.shape
     return buffer.index_select(0, slots.reshape(-1)).view(b, length, *buffer.shape[1:])
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA's additive float mask: 0 where attended, -inf
+    elsewhere. SDPA converts a boolean mask this way on every call; built once in
+    ``plan``, every layer reuses it (in the KV cache's dtype, which is the model's, so
+    the per-layer cast to the queries' dtype is a no-op). No NaN: every decode query
+    attends at least its own key."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def _grouped_decode(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode attention (one query per request) as SDPA over KV heads, with the ``G``
+    query heads that share a KV head as ``G`` query rows: ``[B, Hkv, G, D]`` queries
+    against ``[B, Hkv, L, D]`` keys. Same arithmetic as the ``[B, H, 1, D]`` GQA call,
+    but SDPA's CPU kernel tiles the query rows, so one pass over a KV head's keys now
+    serves its whole group instead of one head; a single-row tile leaves its products
+    as matrix-vector work. The decode mask (``k < seq_len``) is the same for every
+    query of a request, so it broadcasts over the rows.
+
+    Measured per layer on a 2-core CPU, fp32, 2 threads (min of repeats), old layout
+    with boolean mask -> this: the SDPA call alone, default model (H=4, Hkv=2, D=16),
+    B=16, L=301: 256 -> 114 us (141 grouped with the boolean mask). Whole ``forward``
+    (KV write and gathers included), B=16: default model L=301 353 -> 233 us;
+    Qwen2.5-0.5B-like (H=14, Hkv=2, D=64) L=1024 8.4 -> 4.2 ms, L=4096 70 -> 46 ms;
+    Llama-like (H=32, Hkv=8, D=128) L=4096 482 -> 320 ms; faster at every shape tried
+    (B in {1, 16}, L from 64 to 4096, Hkv in {1, 2, 4, 8}), so no shape criterion.
+    Two ``bmm`` over block-diagonal queries (each head's query in its KV head's
+    ``D``-wide block of a zero ``[H, Hkv * D]`` matrix) was never faster at these
+    shapes (143 us for the default call above; one tie) and wastes a factor ``Hkv``
+    of arithmetic. The grouped layout is measured on the CPU only; CUDA keeps the general
+    path. Returns ``[B, H * D]``."""
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    queries = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(b, num_heads * head_dim)

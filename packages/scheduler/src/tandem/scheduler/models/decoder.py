@@ -20,6 +20,7 @@ from tandem.scheduler.attention import triton_available
 from tandem.scheduler.attention.base import AttentionBackend
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.models.config import ModelConfig
+from tandem.scheduler.models.packing import PackedLinear, make_column_major, pack_linears
 from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 
 # Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
@@ -85,6 +86,18 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qkv: PackedLinear | None = None  # set by ``pack``
+
+    def pack(self, column_major: bool) -> None:
+        """Fuse q/k/v into one projection (see ``models.packing``)."""
+        self.qkv = pack_linears((self.q_proj, self.k_proj, self.v_proj), column_major)
+        if column_major:
+            make_column_major(self.o_proj)
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.qkv is not None:
+            return self.qkv(hidden)
+        return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
 
     def forward(
         self,
@@ -94,9 +107,10 @@ class Attention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(hidden)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -113,9 +127,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up: PackedLinear | None = None  # set by ``pack``
+
+    def pack(self, column_major: bool) -> None:
+        """Fuse gate and up into one projection (see ``models.packing``)."""
+        self.gate_up = pack_linears((self.gate_proj, self.up_proj), column_major)
+        if column_major:
+            make_column_major(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 
@@ -207,6 +232,19 @@ class CausalLM(nn.Module):
         """
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack(self, column_major: bool | None = None) -> None:
+        """Lay the weights out for inference: fused q/k/v and gate/up projections, and
+        column-major weights (default: on the CPU). Call once, after loading and
+        placing the model (see ``models.packing``); the forward is the same function
+        of the weights either way."""
+        if column_major is None:
+            column_major = self.lm_head.weight.device.type == "cpu"
+        for layer in self.model.layers:
+            layer.self_attn.pack(column_major)
+            layer.mlp.pack(column_major)
+        if column_major and not self.config.tie_word_embeddings:
+            make_column_major(self.lm_head)  # a tied head keeps the embedding's rows
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

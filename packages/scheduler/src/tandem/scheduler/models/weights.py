@@ -223,6 +223,8 @@ def _fill_dummy(model: CausalLM, seed: int) -> None:
 
 
 def _for_inference(model: CausalLM) -> CausalLM:
-    """Serving never trains: no autograd bookkeeping even if a caller forgets a no-grad."""
+    """Serving never trains: no autograd bookkeeping even if a caller forgets a no-grad.
+    The weights, now loaded and placed, get their inference layout (``CausalLM.pack``)."""
     model.requires_grad_(False)
+    model.pack()
     return model.eval()

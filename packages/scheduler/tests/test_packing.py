@@ -1,0 +1,141 @@
+"""The inference weight layout (``CausalLM.pack``): fused q/k/v and gate/up projections,
+column-major weights on the CPU. The forward must stay the same function of the weights,
+the parameters must keep their names and shapes, and writes into a parameter after
+packing must reach what the forward reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.scheduler.attention.base import AttentionBackend
+from tandem.scheduler.forward_batch import ForwardBatch
+from tandem.scheduler.models import CausalLM, ModelConfig, load_model
+from tandem.scheduler.models.packing import make_column_major, pack_linears
+
+
+class _OnePromptAttention(AttentionBackend):
+    """Causal attention over one fresh prompt, without a KV cache."""
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Nothing to plan: one prompt, all of it new."""
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1).repeat_interleave(group, dim=0),
+            v.transpose(0, 1).repeat_interleave(group, dim=0),
+            is_causal=True,
+            scale=scale,
+        )
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _config(**overrides: Any) -> ModelConfig:
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+    }
+    return ModelConfig.from_hf_dict({**base, **overrides})
+
+
+def _unpacked_copy(model: CausalLM) -> CausalLM:
+    """The same weights in a freshly built, never packed model."""
+    plain = CausalLM(model.config)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
+
+@torch.no_grad()
+def _logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    hidden = model(ids, torch.arange(ids.numel()), _OnePromptAttention())
+    return model.compute_logits(hidden)
+
+
+CONFIGS = {
+    "llama": {},
+    "llama-biases": {"attention_bias": True, "mlp_bias": True},
+    "qwen3-qk-norm": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    "tied": {"tie_word_embeddings": True},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_packed_forward_matches_the_unpacked_model(name: str) -> None:
+    model = load_model(None, _config(**CONFIGS[name]), dtype=torch.float32, device="cpu",
+                       load_format="dummy")  # fmt: skip
+    assert all(layer.self_attn.qkv is not None for layer in model.model.layers)
+    assert all(layer.mlp.gate_up is not None for layer in model.model.layers)
+    plain = _unpacked_copy(model)
+    assert plain.model.layers[0].self_attn.qkv is None
+    ids = torch.randint(96, (11,), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_logits(model, ids), _logits(plain, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_keep_names_and_shapes_and_write_through() -> None:
+    config = _config(attention_bias=True)
+    model = load_model(None, config, dtype=torch.float32, device="cpu", load_format="dummy")
+    shapes = {name: tuple(p.shape) for name, p in CausalLM(config).named_parameters()}
+    assert {name: tuple(p.shape) for name, p in model.named_parameters()} == shapes
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv is not None
+    # On the CPU every projection is column-major; the fused one holds q, k, v in order.
+    assert attn.qkv.weight.t().is_contiguous()
+    assert model.lm_head.weight.t().is_contiguous()
+    torch.testing.assert_close(attn.qkv.weight[: config.q_size], attn.q_proj.weight)
+    ids = torch.arange(7)
+    before = _logits(model, ids)
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(2.0)  # e.g. a weight update after loading
+        attn.k_proj.bias.add_(1.0)
+    after = _logits(model, ids)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, _logits(_unpacked_copy(model), ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_head_keeps_the_embedding_rows() -> None:
+    model = load_model(None, _config(tie_word_embeddings=True), dtype=torch.float32,
+                       device="cpu", load_format="dummy")  # fmt: skip
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.is_contiguous()
+
+
+def test_row_major_packing_keeps_row_major_storage() -> None:
+    model = CausalLM(_config()).eval()
+    model.pack(column_major=False)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv is not None
+    assert attn.qkv.weight.is_contiguous()
+    assert attn.o_proj.weight.is_contiguous()
+
+
+def test_pack_linears_refuses_layers_that_do_not_stack() -> None:
+    with pytest.raises(ValueError, match="inputs of different sizes"):
+        pack_linears([nn.Linear(4, 3), nn.Linear(5, 3)], column_major=True)
+    with pytest.raises(ValueError, match="some layers have a bias"):
+        pack_linears([nn.Linear(4, 3), nn.Linear(4, 3, bias=False)], column_major=False)
+
+
+def test_make_column_major_keeps_values() -> None:
+    linear = nn.Linear(6, 5)
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        expected = linear(x)
+        make_column_major(linear)
+        assert linear.weight.t().is_contiguous()
+        torch.testing.assert_close(linear(x), expected)
