@@ -48,6 +48,8 @@ class ForwardBatch:
             the device.
         prefix_lens_cpu: ``prefix_lens`` as a host list.
         extend_lens_cpu: ``extend_lens`` as a host list.
+        req_pool_indices_cpu: ``req_pool_indices`` as a host list, when the caller has
+            it (a backend may then recognise a batch of the same rows as the last).
     """
 
     mode: ForwardMode
@@ -61,6 +63,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
+    req_pool_indices_cpu: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

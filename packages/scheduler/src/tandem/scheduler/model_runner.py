@@ -223,6 +223,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=list(batch.prefix_lens),
             extend_lens_cpu=list(batch.extend_lens),
+            req_pool_indices_cpu=list(batch.rows),
         )
         # Every token samples, in order (a decode batch): the hidden states need no gather.
         total = ends[-1] if ends else 0

@@ -5,7 +5,9 @@ to ``[B, max_new_tokens]`` and keys gathered to ``[B, max_seq_len]`` through the
 request-to-token table, with a boolean mask for causality and padding. The index
 tensors and the mask are built once per batch in ``plan`` and reused by every layer.
 
-Decode on the CPU takes a faster layout of the same SDPA call: see ``_grouped_decode``.
+Decode on the CPU takes a faster layout of the same SDPA call (see ``_grouped_decode``)
+and, for small models, keeps the batch's K/V contiguous across steps instead of
+gathering them every step (see ``attention.decode_stage``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tandem.scheduler.attention.base import (
     masked_shape,
     write_kv,
 )
+from tandem.scheduler.attention.decode_stage import DecodeStage, capacity_for, stage_fits
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
 
@@ -28,7 +31,8 @@ from tandem.scheduler.forward_batch import ForwardBatch
 @dataclass
 class _Plan:
     out_cache_loc: torch.Tensor  # [T]
-    kv_slots: torch.Tensor  # [B, L] slot of each key position
+    # [B, L] slot of each key position; None when a decode stage holds the keys already.
+    kv_slots: torch.Tensor | None
     # [T] index of each new token in the padded [B * Q] layout; None when every request
     # brings exactly Q tokens (decode, verify), so the packed layout is the padded one.
     query_slot: torch.Tensor | None
@@ -43,31 +47,45 @@ class _Plan:
 class TorchAttention(AttentionBackend):
     """SDPA over the paged KV cache (see the module docstring)."""
 
-    def __init__(self, kv_cache: KVCacheView, req_to_token: torch.Tensor) -> None:
+    def __init__(
+        self, kv_cache: KVCacheView, req_to_token: torch.Tensor, decode_stage: bool = True
+    ) -> None:
+        """``decode_stage``: keep a CPU decode batch's K/V across steps (see
+        ``attention.decode_stage``); off, every step gathers them."""
         self.kv_cache = kv_cache
         self.req_to_token = req_to_token
+        self.decode_stage = decode_stage
         self._plan: _Plan | None = None
+        self._stage: DecodeStage | None = None
+
+    def _kv_slots(self, batch: ForwardBatch, max_seq: int) -> torch.Tensor:
+        """Slot table rows of this batch, cut to the longest sequence: a device gather,
+        so it sees the req_to_token writes queued before it on the forward stream."""
+        table = self.req_to_token[:, :max_seq]
+        return table.index_select(0, batch.req_pool_indices).long()
 
     def plan(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
         max_query = max(batch.extend_lens_cpu, default=0)
         max_seq = max(batch.seq_lens_cpu, default=0)
         b = batch.batch_size
-        # Slot table rows of this batch, cut to the longest sequence: a device gather,
-        # so it sees the req_to_token writes queued before it on the forward stream.
-        table = self.req_to_token[:, :max_seq]
-        kv_slots = table.index_select(0, batch.req_pool_indices).long()
+        stage, self._stage = self._stage, None  # only a CPU decode step keeps it
         if max_query == 1 and min(batch.extend_lens_cpu, default=1) == 1:
             # Decode: one query per request, at the end of its sequence
             # (seq_lens = prefix_lens + 1), so the causal mask is just k < seq_len.
             k_pos = torch.arange(max_seq, device=device)
             mask = (k_pos < batch.seq_lens.view(b, 1)).view(b, 1, 1, max_seq)
             if device.type == "cpu":
+                self._stage = self._next_stage(stage, batch, max_seq)
+                continued = self._stage is not None and self._stage.append is not None
+                kv_slots = None if continued else self._kv_slots(batch, max_seq)
                 bias = _additive_mask(mask, self.kv_cache.k_buffer(0).dtype)
                 self._plan = _Plan(batch.out_cache_loc, kv_slots, None, bias, b, 1, True)
                 return
+            kv_slots = self._kv_slots(batch, max_seq)
             self._plan = _Plan(batch.out_cache_loc, kv_slots, None, mask, b, 1)
             return
+        kv_slots = self._kv_slots(batch, max_seq)
         offsets = None
         if any(n != max_query for n in batch.extend_lens_cpu):
             offsets = torch.tensor(
@@ -90,6 +108,7 @@ class TorchAttention(AttentionBackend):
         self, kv_slots: torch.Tensor, mask: torch.Tensor, out_cache_loc: torch.Tensor
     ) -> None:
         b, q, _ = masked_shape(kv_slots, mask, out_cache_loc)
+        self._stage = None
         # Exactly Q tokens per request: the packed layout is the padded one.
         self._plan = _Plan(out_cache_loc, kv_slots, None, mask.unsqueeze(1), b, q)
 
@@ -101,8 +120,14 @@ class TorchAttention(AttentionBackend):
             raise RuntimeError("TorchAttention.forward called before plan()")
         k_buf, v_buf = write_kv(self.kv_cache, layer_id, plan.out_cache_loc, k, v)
         _, num_heads, head_dim = q.shape
-        keys = as_dtype(_gather(k_buf, plan.kv_slots), q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        values = as_dtype(_gather(v_buf, plan.kv_slots), q.dtype).transpose(1, 2)
+        slots = plan.kv_slots
+        gathered = None if slots is None else (_gather(k_buf, slots), _gather(v_buf, slots))
+        if self._stage is not None:
+            keys, values = self._stage.attend_inputs(layer_id, k, v, gathered)
+        else:
+            assert gathered is not None
+            keys, values = (x.transpose(1, 2) for x in gathered)  # [B, Hkv, L, D]
+        keys, values = as_dtype(keys, q.dtype), as_dtype(values, q.dtype)
         if plan.grouped_decode:
             return _grouped_decode(q, keys, values, as_dtype(plan.mask, q.dtype), scale)
         padded = q
@@ -120,6 +145,25 @@ class TorchAttention(AttentionBackend):
         )
         out = out.transpose(1, 2).reshape(plan.batch * plan.max_query, num_heads * head_dim)
         return out if plan.query_slot is None else out.index_select(0, plan.query_slot)
+
+    def _next_stage(
+        self, stage: DecodeStage | None, batch: ForwardBatch, max_seq: int
+    ) -> DecodeStage | None:
+        """The decode stage of this CPU decode step: ``stage`` advanced when the step
+        continues it, a new one when the batch is small enough, else None."""
+        rows, seq_lens = batch.req_pool_indices_cpu, batch.seq_lens_cpu
+        if not self.decode_stage or rows is None:
+            return None
+        _, num_kv_heads, head_dim = self.kv_cache.k_buffer(0).shape
+        device = batch.input_ids.device
+        if stage is not None and stage.continues(rows, seq_lens):
+            stage.advance(seq_lens, num_kv_heads, device)
+            return stage
+        capacity = capacity_for(max_seq)
+        itemsize = self.kv_cache.k_buffer(0).element_size()
+        if not stage_fits(len(rows), capacity, num_kv_heads, head_dim, itemsize):
+            return None
+        return DecodeStage(list(rows), list(seq_lens), capacity)
 
 
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

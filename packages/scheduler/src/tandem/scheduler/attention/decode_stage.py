@@ -1,0 +1,116 @@
+"""The decode stage: a running decode batch's K/V kept contiguous across steps.
+
+The ``torch`` backend attends over K/V gathered from the paged cache, and on the CPU
+that gather (every key of every request, each layer, each step) is a large share of a
+small model's decode step. Yet from one decode step to the next the batch usually
+changes by one key per request. The stage keeps each layer's keys and values of the
+batch as ``[B, Hkv, capacity, D]`` tensors and appends the step's new K/V to them, so
+a step that continues the previous one gathers nothing.
+
+A step *continues* the stage when it decodes the same rows, in the same order, each
+one token longer, within the capacity. Anything else (a request joined or left, a
+prefill, a speculative step, a longer sequence than the capacity) starts a new stage
+from one gather. Continuing is safe because a running request's cached K/V never
+change: its slots are written once, when its token is computed, and freed only after
+it leaves the batch. The paged cache is still written every step, so a new stage, the
+radix cache and every other reader see the same K/V.
+
+The stage costs memory (one more copy of the batch's K/V), so it is used only while
+one layer's stage stays under ``LAYER_MAX_BYTES``: small models, whose steps are
+counted in calls; a large model's step is dominated by its weights, and the gather
+is a small share of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.scheduler.casting import as_dtype
+
+LAYER_MAX_BYTES = 8 << 20
+"""Largest stage of one layer (keys and values), in bytes."""
+
+_HEADROOM = 128
+"""Keys of room beyond the longest sequence when a stage starts (rounded up to 64):
+a stage outlives at most this many steps before the longest request outgrows it."""
+
+
+def capacity_for(max_seq_len: int) -> int:
+    """Keys per request of a stage that starts at ``max_seq_len``."""
+    return -(-(max_seq_len + _HEADROOM) // 64) * 64
+
+
+@dataclass
+class DecodeStage:
+    """One decode batch's staged K/V (see the module docstring).
+
+    ``append`` is the flat index, in a ``[B * Hkv * capacity, D]`` view of a layer's
+    stage, of each request's new key per KV head (request-major), or None on the
+    step that starts the stage, which fills it from a gather instead.
+    """
+
+    rows: list[int]
+    seq_lens: list[int]
+    capacity: int
+    append: torch.Tensor | None = None
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def continues(self, rows: list[int], seq_lens: list[int]) -> bool:
+        """Whether a decode step over ``rows`` at ``seq_lens`` extends this stage."""
+        return (
+            rows == self.rows
+            and max(seq_lens) <= self.capacity
+            and all(new == old + 1 for new, old in zip(seq_lens, self.seq_lens, strict=True))
+        )
+
+    def advance(self, seq_lens: list[int], num_kv_heads: int, device: torch.device) -> None:
+        """Move to the next step: each request's new key lands at ``seq_len - 1``."""
+        self.seq_lens = seq_lens
+        heads = range(num_kv_heads)
+        flat = [
+            (i * num_kv_heads + h) * self.capacity + s - 1
+            for i, s in enumerate(seq_lens)
+            for h in heads
+        ]
+        self.append = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+
+    def attend_inputs(
+        self,
+        layer_id: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gather: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's ``[B, Hkv, L, D]`` keys and values (L the longest sequence) with
+        the step's new ``k``/``v`` (``[B, Hkv, D]``) in them. ``gather``: the layer's
+        keys and values gathered from the paged cache, ``[B, L, Hkv, D]`` each, on the
+        step that starts the stage (None on the others)."""
+        length = max(self.seq_lens)
+        if self.append is None:
+            assert gather is not None, "a new stage starts from a gather"
+            keys, values = (self._start(x) for x in gather)
+            self.keys[layer_id], self.values[layer_id] = keys, values
+        else:
+            keys, values = self.keys[layer_id], self.values[layer_id]
+            for buf, new in ((keys, k), (values, v)):
+                rows = new.reshape(-1, new.shape[-1])
+                buf.view(-1, buf.shape[-1]).index_copy_(0, self.append, as_dtype(rows, buf.dtype))
+        return keys[:, :, :length], values[:, :, :length]
+
+    def _start(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A layer's stage from its gathered ``[B, L, Hkv, D]`` K or V. Keys past L are
+        zeroed: a request shorter than the batch's longest reads them (masked, so with
+        weight zero, which only a finite value keeps at zero)."""
+        b, length, heads, dim = gathered.shape
+        stage = gathered.new_empty((b, heads, self.capacity, dim))
+        stage[:, :, :length].copy_(gathered.transpose(1, 2))
+        stage[:, :, length:].zero_()
+        return stage
+
+
+def stage_fits(batch: int, capacity: int, num_kv_heads: int, head_dim: int, itemsize: int) -> bool:
+    """Whether one layer's stage (keys and values) stays under ``LAYER_MAX_BYTES``."""
+    return 2 * batch * num_kv_heads * capacity * head_dim * itemsize <= LAYER_MAX_BYTES
