@@ -5,6 +5,7 @@ logprobs, bad input, and the accounting invariant."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -373,3 +374,22 @@ def test_skip_tokenizer_init_runs_on_ids_alone(tmp_path: Path) -> None:
     assert bare["text"] == ""
     assert all(c["text"] == "" for c in streamed)
     assert [t for c in streamed for t in c["output_ids"]] == full["output_ids"]
+
+
+def test_token_times_are_one_per_token_and_shared_by_a_step(checkpoints: dict[str, Path]) -> None:
+    """``return_token_times``: the host time of each output token, after the submit,
+    non-decreasing, one time per step for every token the step produced; absent
+    unless asked for."""
+    with _engine(checkpoints["llama"]) as engine:
+        params = [{"max_new_tokens": n, "ignore_eos": True} for n in (6, 3)]
+        start = time.perf_counter()
+        timed = engine.generate(input_ids=PROMPTS[:2], sampling_params=params,
+                                return_token_times=True)  # fmt: skip
+        plain = engine.generate(input_ids=PROMPTS[0], sampling_params=params[0])
+    first, second = (r["meta_info"]["output_token_times"] for r in timed)
+    assert [len(first), len(second)] == [6, 3]
+    assert start < first[0]
+    assert first == sorted(first)
+    # Both requests decode in the same steps: their first three tokens share times.
+    assert second == first[:3]
+    assert "output_token_times" not in plain["meta_info"]

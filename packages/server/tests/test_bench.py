@@ -135,3 +135,36 @@ def test_compare_speculative_on_a_text_workload(tmp_path: Path, cache: Path) -> 
 def test_compare_speculative_needs_an_algorithm(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--device", "cpu", "--compare-speculative", *SMALL])
+
+
+def test_stream_reads_the_same_tokens_as_streams(tmp_path: Path) -> None:
+    extra = [*SMALL, "--seed", "5"]
+    report = _run(tmp_path, *extra, "--stream", "--repeats", "1")
+    (result,) = report.values()
+    assert set(result) >= KEYS
+    assert result["output_lens"] == _expected(*extra)
+    assert result["mean_ttft_ms"] > 0
+    assert result["p50_itl_ms"] > 0
+
+
+def test_engine_times_count_each_token_of_an_arrival() -> None:
+    """Tokens that share a time arrived together (one step, or a speculative step's
+    several): an arrival of k tokens after a gap counts k latencies of gap / k."""
+    assert bench._grouped([1.0, 1.5, 1.5, 1.5, 2.0]) == [(1.0, 1), (1.5, 3), (2.0, 1)]
+
+    class _Counters:
+        def get_server_info(self) -> dict[str, float]:
+            return dict.fromkeys(
+                ("spec_verify_steps", "spec_committed_tokens", "device_busy_s",
+                 "device_idle_s", "overshoot_steps"), 0.0,
+            )  # fmt: skip
+
+    workload = bench.Workload([[1, 2]], [5])
+    arrivals = [bench._grouped([1.0, 1.5, 1.5, 1.5, 2.0])]
+    result = bench._engine_result(_Counters(), workload, 2.0, _Counters().get_server_info(),
+                                  0.5, arrivals)  # fmt: skip
+    assert result["output_lens"] == [5]
+    assert result["mean_ttft_ms"] == pytest.approx(500.0)
+    # gaps: 0.5 over 3 tokens (three of 1/6 s), then 0.5 over 1 token
+    assert result["mean_itl_ms"] == pytest.approx(1000 * (3 * (0.5 / 3) + 0.5) / 4)
+    assert result["mean_tpot_ms"] == pytest.approx(1000 * 1.0 / 4)

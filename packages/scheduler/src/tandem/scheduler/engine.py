@@ -224,6 +224,7 @@ class Engine:
         return_logprob: bool | Sequence[bool] = False,
         top_logprobs_num: int | Sequence[int] = 0,
         rid: str | Sequence[str] | None = None,
+        return_token_times: bool = False,
     ) -> Any:
         """Generate for one prompt or a batch.
 
@@ -234,10 +235,14 @@ class Engine:
         With ``stream=True`` returns an iterator of incremental chunks (``text`` and
         ``output_ids`` hold only what is new; the last chunk carries
         ``meta_info["finish_reason"]``); streaming takes one prompt.
+        ``return_token_times``: ``meta_info["output_token_times"]`` lists when each
+        output token reached the engine's host side (``time.perf_counter()`` seconds in
+        this process): per-token latencies without a stream to read them from.
         """
         single, waiters = self._submit(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid
-        )
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
+            times=return_token_times,
+        )  # fmt: skip
         if stream:
             return self._stream(waiters[0])
         results = self._collect(waiters)
@@ -252,13 +257,15 @@ class Engine:
         return_logprob: bool | Sequence[bool] = False,
         top_logprobs_num: int | Sequence[int] = 0,
         rid: str | Sequence[str] | None = None,
+        return_token_times: bool = False,
     ) -> Any:
         """The ``generate`` twin for asyncio: awaits the result, or with
         ``stream=True`` returns an async iterator of chunks."""
         loop = asyncio.get_running_loop() if stream else None
         single, waiters = self._submit(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid, loop
-        )
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
+            loop, times=return_token_times,
+        )  # fmt: skip
         if stream:
             return self._astream(waiters[0])
         results = await asyncio.to_thread(self._collect, waiters, False)
@@ -334,6 +341,7 @@ class Engine:
         stream: bool,
         rid: str | Sequence[str] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        times: bool = False,
     ) -> tuple[bool, list[_Waiter]]:
         """Validate every request, then queue them all; nothing is queued when any
         request is invalid."""
@@ -368,6 +376,8 @@ class Engine:
                     max(top, item.params.top_logprobs_num),
                     request_id,
                 )
+                if times:
+                    req.token_times = []
                 waiter = _Waiter(req, stream=stream, loop=loop)
                 self._waiters[req.rid] = waiter
                 waiters.append(waiter)
@@ -552,6 +562,8 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
         }
+        if req.token_times is not None:
+            meta["output_token_times"] = list(req.token_times)
         if self.config.speculative:
             meta["spec_verify_ct"] = req.spec_verify_ct
         if req.return_logprob:

@@ -76,6 +76,9 @@ class Request:
     cached_tokens: int = 0
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    # When each output token reached the host (``time.perf_counter``), for requests
+    # that asked (``return_token_times``); None otherwise.
+    token_times: list[float] | None = None
     scheduled_samples: int = 0
     in_flight: int = 0
     shared_pages: int = 0

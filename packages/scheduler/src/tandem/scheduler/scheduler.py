@@ -126,6 +126,7 @@ class Scheduler:
         self._pending: list[Update] = []
         self._new_period = True
         self._admissions = 0
+        self._processed_at = 0.0  # when ``process`` last began (tokens' host time)
         # Diagnostic hook (tests, tools): keep each sampled row's logits by request id.
         self.record_logits = False
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
@@ -500,6 +501,7 @@ class Scheduler:
     # -- results --------------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[Update]:
         """Append the batch's tokens, detect finishes, release what is done."""
+        self._processed_at = time.perf_counter()  # one time for the step's tokens
         if batch.mode is ForwardMode.SPEC_DECODE:
             return self._process_spec(batch, result)
         updates: list[Update] = []
@@ -560,6 +562,8 @@ class Scheduler:
         req.output_ids.append(token)
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
+        if req.token_times is not None:
+            req.token_times.append(self._processed_at)
         self.counters.generated_tokens += 1
 
     def _append(self, req: Request, token: int, result: StepResult, k: int) -> Update:

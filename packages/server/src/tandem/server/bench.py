@@ -2,8 +2,12 @@
 
 Builds a workload (random, shared-prefix or ShareGPT), submits every request at once to
 an in-process ``Engine`` (greedy, ``ignore_eos``, a fixed ``max_new_tokens`` per request)
-and measures each request's time to first token and inter-token latencies from the
-arrival times of its streamed chunks, all streams read on one asyncio loop.
+as one batch call, and measures each request's time to first token and inter-token
+latencies from the times its tokens reached the engine's host side
+(``return_token_times``), as offline benchmarks of other engines do. ``--stream``
+instead reads every request as a stream on one asyncio loop in the same process and
+times the chunks' arrivals: latencies as a streaming consumer sees them, with that
+consumer's work competing with the engine's threads for the interpreter.
 ``--compare-overlap`` runs the normal and the overlap loop in one process;
 ``--compare-transformers`` runs the same workload through Hugging Face
 ``transformers``' batched ``generate`` as the peer. Each variant runs ``--repeats``
@@ -91,6 +95,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=3,
         help="timed runs of each variant, interleaved; the run with the median output "
         "throughput is reported (default: 3)",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="read each request as a stream in this process and time the chunks' "
+        "arrivals (default: one batch call, with the engine's per-token times)",
     )
     parser.add_argument("--output-json", help="write the figures to this file")
     add_speculative_arguments(parser)
@@ -232,7 +242,39 @@ def _progress(total: int, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="req")
 
 
-def run_engine(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
+def _sampling(workload: Workload, i: int) -> dict[str, Any]:
+    return {"max_new_tokens": workload.output_lens[i], "temperature": 0, "ignore_eos": True}
+
+
+def run_engine(engine: Any, workload: Workload, desc: str, stream: bool = False) -> dict[str, Any]:
+    """Run ``workload`` through ``engine`` once: as one batch call timed by the engine's
+    per-token times, or with ``stream`` as streams (see the module docstring)."""
+    if stream:
+        return _run_streams(engine, workload, desc)
+    n = len(workload.prompts)
+    before = engine.get_server_info()
+    start = time.perf_counter()
+    try:
+        results = engine.generate(
+            input_ids=workload.prompts,
+            sampling_params=[_sampling(workload, i) for i in range(n)],
+            return_token_times=True,
+        )
+    except Exception as exc:
+        raise RuntimeError("a benchmark request failed") from exc
+    duration = time.perf_counter() - start
+    # Every request was submitted at ``start``; its tokens' times are the engine's, one
+    # time per step (several tokens share one after a speculative step).
+    arrivals = [_grouped(r["meta_info"]["output_token_times"]) for r in results]
+    return _engine_result(engine, workload, duration, before, start, arrivals)
+
+
+def _grouped(times: Sequence[float]) -> list[tuple[float, int]]:
+    """Token times as arrivals: ``(time, tokens)`` per distinct consecutive time."""
+    return [(t, len(list(group))) for t, group in itertools.groupby(times)]
+
+
+def _run_streams(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
     """Submit every request at once and stream them all on one asyncio loop, as an
     API process would: per-request threads would compete with the engine's own
     threads for the interpreter and slow down what they measure."""
@@ -243,10 +285,9 @@ def run_engine(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
     before = engine.get_server_info()
 
     async def one(i: int) -> None:
-        params = {"max_new_tokens": workload.output_lens[i], "temperature": 0, "ignore_eos": True}
         starts[i] = time.perf_counter()
         chunks = await engine.async_generate(
-            input_ids=workload.prompts[i], sampling_params=params, stream=True
+            input_ids=workload.prompts[i], sampling_params=_sampling(workload, i), stream=True
         )
         async for chunk in chunks:
             arrivals[i].append((time.perf_counter(), len(chunk["output_ids"])))
@@ -265,18 +306,32 @@ def run_engine(engine: Any, workload: Workload, desc: str) -> dict[str, Any]:
         if bar is not None:
             bar.close()
     duration = time.perf_counter() - start
+    chunks = [[(t, k) for t, k in request if k > 0] for request in arrivals]
+    return _engine_result(engine, workload, duration, before, starts, chunks)
+
+
+def _engine_result(
+    engine: Any,
+    workload: Workload,
+    duration: float,
+    before: dict[str, Any],
+    starts: float | Sequence[float],
+    arrivals: Sequence[Sequence[tuple[float, int]]],
+) -> dict[str, Any]:
+    """The figures of one run from each request's submit time (one for all, or one
+    each) and its arrivals: ``(time, tokens)`` when some of its output tokens arrived.
+    An arrival of ``k`` tokens counts ``k`` inter-token latencies of ``gap / k``."""
     after = engine.get_server_info()
     verify = after["spec_verify_steps"] - before["spec_verify_steps"]
     committed = after["spec_committed_tokens"] - before["spec_committed_tokens"]
-
     ttfts, itls, tpots, out_tokens = [], [], [], []
-    for i in range(n):
-        chunks = [(t, k) for t, k in arrivals[i] if k > 0]
+    for i, chunks in enumerate(arrivals):
         tokens = sum(k for _, k in chunks)
         out_tokens.append(tokens)
         if not chunks:
             continue
-        ttfts.append(chunks[0][0] - starts[i])
+        start = starts if isinstance(starts, float) else starts[i]
+        ttfts.append(chunks[0][0] - start)
         for (prev, _), (now, k) in itertools.pairwise(chunks):
             itls.extend([(now - prev) / k] * k)
         if tokens > 1:
@@ -490,11 +545,11 @@ def run(
             parser.error(str(exc))
         warm = Workload(workload.prompts[:2], [min(4, k) for k in workload.output_lens[:2]])
         for engine in engines.values():
-            run_engine(engine, warm, "warm-up")
+            run_engine(engine, warm, "warm-up", args.stream)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         for _ in range(args.repeats):  # interleaved, so drift hits every variant alike
             for name, engine in engines.items():
-                runs[name].append(run_engine(engine, workload, name))
+                runs[name].append(run_engine(engine, workload, name, args.stream))
         model_path, device, dtype = first.model_path, first.device, first.dtype
     finally:
         for engine in engines.values():
