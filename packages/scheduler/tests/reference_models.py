@@ -8,10 +8,12 @@ away from one so that a skipped or misplaced norm changes the logits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -21,6 +23,10 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from tandem.scheduler.attention.base import AttentionBackend
+from tandem.scheduler.forward_batch import ForwardBatch
+from tandem.scheduler.models import ModelConfig
 
 VOCAB = 320
 HIDDEN = 64
@@ -165,3 +171,49 @@ def load_reference(path: Path) -> PreTrainedModel:
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+def tiny_model_config(**overrides: Any) -> ModelConfig:
+    """A tandem ``ModelConfig`` of a tiny Qwen3-shaped model (no checkpoint), for tests
+    of config handling and of the model's own layout; ``overrides`` are HF config keys."""
+    d: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+    }
+    return ModelConfig.from_hf_dict({**d, **overrides})
+
+
+class DenseCausalAttention(AttentionBackend):
+    """Reference attention for a packed batch of fresh prompts: no KV cache, each
+    request attends causally within its own segment of the ``[T]`` token layout."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = list(lengths)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Nothing to plan: the segments are fixed at construction."""
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        outputs = []
+        for qs, ks, vs in zip(
+            q.split(self.lengths), k.split(self.lengths), v.split(self.lengths), strict=True
+        ):
+            out = F.scaled_dot_product_attention(
+                qs.transpose(0, 1),
+                ks.transpose(0, 1).repeat_interleave(group, dim=0),
+                vs.transpose(0, 1).repeat_interleave(group, dim=0),
+                is_causal=True,
+                scale=scale,
+            )
+            outputs.append(out.transpose(0, 1).reshape(qs.shape[0], -1))
+        return torch.cat(outputs)

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tandem.scheduler.attention.base import AttentionBackend
-from tandem.scheduler.forward_batch import ForwardBatch
 from tandem.scheduler.models import (
     SUPPORTED_ARCHITECTURES,
     CausalLM,
@@ -48,35 +43,6 @@ PROMPT_LENS = (5, 40, 11)
 TOLERANCE = 1e-4
 
 
-class DenseCausalAttention(AttentionBackend):
-    """Reference attention for a packed batch of fresh prompts: no KV cache, each
-    request attends causally within its own segment of the ``[T]`` token layout."""
-
-    def __init__(self, lengths: Sequence[int]) -> None:
-        self.lengths = list(lengths)
-
-    def plan(self, batch: ForwardBatch) -> None:
-        """Nothing to plan: the segments are fixed at construction."""
-
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        group = q.shape[1] // k.shape[1]
-        outputs = []
-        for qs, ks, vs in zip(
-            q.split(self.lengths), k.split(self.lengths), v.split(self.lengths), strict=True
-        ):
-            out = F.scaled_dot_product_attention(
-                qs.transpose(0, 1),
-                ks.transpose(0, 1).repeat_interleave(group, dim=0),
-                vs.transpose(0, 1).repeat_interleave(group, dim=0),
-                is_causal=True,
-                scale=scale,
-            )
-            outputs.append(out.transpose(0, 1).reshape(qs.shape[0], -1))
-        return torch.cat(outputs)
-
-
 def _prompts(vocab: int, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(vocab, (n,), generator=generator) for n in PROMPT_LENS]
@@ -87,7 +53,7 @@ def _tandem_logits(model: CausalLM, prompts: list[torch.Tensor]) -> torch.Tensor
     """All prompts as ONE packed forward; logits at every token."""
     input_ids = torch.cat(prompts)
     positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    attn = DenseCausalAttention([len(p) for p in prompts])
+    attn = ref.DenseCausalAttention([len(p) for p in prompts])
     return model.compute_logits(model(input_ids, positions, attn))
 
 
@@ -154,28 +120,13 @@ def test_tied_embeddings_share_storage(tmp_path: Path) -> None:
     assert dummy.lm_head.weight.data_ptr() == dummy.model.embed_tokens.weight.data_ptr()
 
 
-def _tiny_config(**overrides: Any) -> ModelConfig:
-    d: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-    }
-    return ModelConfig.from_hf_dict({**d, **overrides})
-
-
 def _dummy(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     model = load_model(None, config, dtype=dtype, device="cpu", load_format="dummy", seed=seed)
     return dict(model.named_parameters())
 
 
 def test_dummy_weights_are_reproducible_and_dtype_independent() -> None:
-    config = _tiny_config()
+    config = ref.tiny_model_config()
     first, second = _dummy(config, torch.float32), _dummy(config, torch.float32)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[n], second[n]) for n in first)
@@ -231,7 +182,7 @@ def test_inv_freq_buffers_are_ignored(tmp_path: Path) -> None:
 
 
 def test_missing_checkpoint_files(tmp_path: Path) -> None:
-    config = _tiny_config()
+    config = ref.tiny_model_config()
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
         load_model(tmp_path, config, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="model_path"):
@@ -242,12 +193,12 @@ def test_missing_checkpoint_files(tmp_path: Path) -> None:
 
 def test_unknown_architecture_is_named() -> None:
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
-        _tiny_config(architectures=["GPT2LMHeadModel"])
+        ref.tiny_model_config(architectures=["GPT2LMHeadModel"])
     assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
 
 
 def test_unsupported_rope_type_is_named() -> None:
-    config = _tiny_config(rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    config = ref.tiny_model_config(rope_parameters={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="'yarn'"):
         load_model(None, config, dtype=torch.float32, device="cpu", load_format="dummy")
 
@@ -271,9 +222,9 @@ def test_bf16_checkpoint_loads_in_bf16(tmp_path: Path) -> None:
 
 
 def test_resolve_dtype() -> None:
-    config = _tiny_config()
+    config = ref.tiny_model_config()
     assert resolve_dtype("auto", config) == torch.float32
-    assert resolve_dtype("auto", _tiny_config(torch_dtype="float16")) == torch.float16
+    assert resolve_dtype("auto", ref.tiny_model_config(torch_dtype="float16")) == torch.float16
     expected = {
         "float32": torch.float32,
         "float": torch.float32,
@@ -287,7 +238,7 @@ def test_resolve_dtype() -> None:
 
 
 def test_config_reads_old_and_new_forms() -> None:
-    old = _tiny_config(
+    old = ref.tiny_model_config(
         architectures=["LlamaForCausalLM"],
         head_dim=None,
         rope_theta=500000.0,
@@ -296,7 +247,7 @@ def test_config_reads_old_and_new_forms() -> None:
         torch_dtype="bfloat16",
         eos_token_id=[5, 7],
     )  # fmt: skip
-    new = _tiny_config(
+    new = ref.tiny_model_config(
         architectures=["LlamaForCausalLM"],
         head_dim=None,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -312,20 +263,20 @@ def test_config_reads_old_and_new_forms() -> None:
     assert old.rope_scaling is not None
     assert old.rope_scaling["rope_type"] == "llama3"
     assert old.eos_token_id == (5, 7)
-    plain = _tiny_config(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    plain = ref.tiny_model_config(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     assert plain.rope_scaling is None
     assert plain.rope_theta == 1e6
     assert plain.qk_norm
     assert plain.head_dim == 16
     assert not plain.attention_bias
-    qwen2 = _tiny_config(architectures=["Qwen2ForCausalLM"], eos_token_id=3)
+    qwen2 = ref.tiny_model_config(architectures=["Qwen2ForCausalLM"], eos_token_id=3)
     assert qwen2.attention_bias
     assert not qwen2.attention_out_bias
     assert not qwen2.qk_norm
     assert qwen2.eos_token_id == (3,)
     assert qwen2.max_position_embeddings == 64
     assert qwen2.num_key_value_heads == 2
-    bare = _tiny_config(architectures=None, model_type="mistral", sliding_window=4096)
+    bare = ref.tiny_model_config(architectures=None, model_type="mistral", sliding_window=4096)
     assert bare.architecture == "MistralForCausalLM"
     assert bare.sliding_window == 4096
     assert hash(old) == hash(new)
@@ -333,7 +284,7 @@ def test_config_reads_old_and_new_forms() -> None:
 
 def test_config_rejects_bad_head_counts() -> None:
     with pytest.raises(ValueError, match="multiple"):
-        _tiny_config(num_key_value_heads=3)
+        ref.tiny_model_config(num_key_value_heads=3)
 
 
 def test_config_from_pretrained_matches_saved_files(tmp_path: Path) -> None:

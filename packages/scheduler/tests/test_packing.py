@@ -9,49 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from reference_models import DenseCausalAttention, tiny_model_config
 from torch import nn
 
-from tandem.scheduler.attention.base import AttentionBackend
-from tandem.scheduler.forward_batch import ForwardBatch
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model
 from tandem.scheduler.models.packing import make_column_major, pack_linears
 
 
-class _OnePromptAttention(AttentionBackend):
-    """Causal attention over one fresh prompt, without a KV cache."""
-
-    def plan(self, batch: ForwardBatch) -> None:
-        """Nothing to plan: one prompt, all of it new."""
-
-    def forward(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1).repeat_interleave(group, dim=0),
-            v.transpose(0, 1).repeat_interleave(group, dim=0),
-            is_causal=True,
-            scale=scale,
-        )
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
-
-
 def _config(**overrides: Any) -> ModelConfig:
-    base = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 64,
-    }
-    return ModelConfig.from_hf_dict({**base, **overrides})
+    return tiny_model_config(**{"architectures": ["LlamaForCausalLM"], **overrides})
 
 
 def _unpacked_copy(model: CausalLM) -> CausalLM:
@@ -63,7 +29,7 @@ def _unpacked_copy(model: CausalLM) -> CausalLM:
 
 @torch.no_grad()
 def _logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
-    hidden = model(ids, torch.arange(ids.numel()), _OnePromptAttention())
+    hidden = model(ids, torch.arange(ids.numel()), DenseCausalAttention([ids.numel()]))
     return model.compute_logits(hidden)
 
 
