@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-from reference_models import FAMILIES, VOCAB, load_reference
+from reference_models import FAMILIES, VOCAB, DenseCausalAttention, load_reference
 from test_engine import _teacher_forced_logits
-from test_models import DenseCausalAttention, _prompts
+from test_models import _prompts
 
 from tandem.scheduler import Engine
 from tandem.scheduler.models import ModelConfig, load_model
