@@ -261,7 +261,7 @@ class ModelRunner:
             next_ids, result = self._sample(batch, sampling, logits, sampled.rows)
         if self.spec is not None:
             features = torch.cat(captured, dim=-1) if captured else hidden
-            self._draft_after_prefill(batch, fb, features, next_ids)
+            self._draft_after_prefill(batch, fb, features, next_ids, sampled)
         return result
 
     def _sample(
@@ -312,26 +312,28 @@ class ModelRunner:
         batch: ScheduledBatch,
         fb: ForwardBatch,
         features: torch.Tensor,
-        sampled: torch.Tensor | None,
+        next_sampled: torch.Tensor | None,
+        sampled: _Sampled,
     ) -> None:
         """Hand the prefill to the speculative worker: the chunk's tokens shifted by
-        one (the draft at position p reads token p + 1), the sampled tokens at the end
-        of completed prompts."""
+        one (the draft at position p reads token p + 1), the sampled tokens
+        (``next_sampled``) at the end of completed prompts."""
         assert self.spec is not None
         last = fb.last_token_indices
         next_ids = torch.empty_like(fb.input_ids)
         next_ids[:-1] = fb.input_ids[1:]
         next_ids.index_copy_(0, last, self._tensor(batch.next_tokens))
-        sample_last = last.index_select(0, self._tensor(batch.sample_indices))
-        if sampled is not None:
-            next_ids.index_copy_(0, sample_last, sampled)
+        # None: every token samples, in order, so each one is its request's last.
+        sample_last = last if sampled.last is None else sampled.last
+        if next_sampled is not None:
+            next_ids.index_copy_(0, sample_last, next_sampled)
         seq_lens = batch.seq_lens
         self.spec.extend_after_prefill(
             PrefillDraftInput(
                 batch=fb,
                 next_ids=next_ids,
                 features=features,
-                sample_rows=self._tensor(batch.sample_rows),
+                sample_rows=sampled.rows,
                 sample_last=sample_last,
                 sample_seq_lens=[seq_lens[i] for i in batch.sample_indices],
             )

@@ -75,7 +75,6 @@ class Request:
     finish: FinishReason | None = None
     cached_tokens: int = 0
     created_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
     # When each output token reached the host (``time.perf_counter``), for requests
     # that asked (``return_token_times``); None otherwise.
     token_times: list[float] | None = None

@@ -560,8 +560,6 @@ class Scheduler:
 
     def _record_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
-        if req.first_token_at is None:
-            req.first_token_at = time.perf_counter()
         if req.token_times is not None:
             req.token_times.append(self._processed_at)
         self.counters.generated_tokens += 1

@@ -530,8 +530,9 @@ def run(
             try:
                 # No detokenizing: the figures are the engine's, as behind a server,
                 # whose API process turns ids into text (and transformers makes none).
+                # The batch call shows the engine's own progress bar; streams show ours.
                 engine = Engine(
-                    **options, disable_progress_bar=True, skip_tokenizer_init=True, **extra
+                    **options, disable_progress_bar=args.stream, skip_tokenizer_init=True, **extra
                 )
             except ValueError as exc:
                 parser.error(str(exc))

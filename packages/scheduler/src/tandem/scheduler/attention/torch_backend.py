@@ -74,14 +74,17 @@ class TorchAttention(AttentionBackend):
             # Decode: one query per request, at the end of its sequence
             # (seq_lens = prefix_lens + 1), so the causal mask is just k < seq_len.
             k_pos = torch.arange(max_seq, device=device)
-            mask = (k_pos < batch.seq_lens.view(b, 1)).view(b, 1, 1, max_seq)
+            seq_lens = batch.seq_lens.view(b, 1)
             if device.type == "cpu":
                 self._stage = self._next_stage(stage, batch, max_seq)
                 continued = self._stage is not None and self._stage.append is not None
                 kv_slots = None if continued else self._kv_slots(batch, max_seq)
-                bias = _additive_mask(mask, self.kv_cache.k_buffer(0).dtype)
-                self._plan = _Plan(batch.out_cache_loc, kv_slots, None, bias, b, 1, True)
+                bias = _additive_mask(k_pos >= seq_lens, self.kv_cache.k_buffer(0).dtype)
+                self._plan = _Plan(
+                    batch.out_cache_loc, kv_slots, None, bias.view(b, 1, 1, max_seq), b, 1, True
+                )
                 return
+            mask = (k_pos < seq_lens).view(b, 1, 1, max_seq)
             kv_slots = self._kv_slots(batch, max_seq)
             self._plan = _Plan(batch.out_cache_loc, kv_slots, None, mask, b, 1)
             return
@@ -174,14 +177,14 @@ def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return buffer.index_select(0, slots.reshape(-1)).view(b, length, *buffer.shape[1:])
 
 
-def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask as SDPA's additive float mask: 0 where attended, -inf
-    elsewhere. SDPA converts a boolean mask this way on every call; built once in
-    ``plan``, every layer reuses it (in the KV cache's dtype, which is the model's, so
-    the per-layer cast to the queries' dtype is a no-op). No NaN: every decode query
-    attends at least its own key."""
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return bias.masked_fill_(mask.logical_not(), float("-inf"))
+def _additive_mask(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's additive float mask, -inf where ``masked`` is True and 0 elsewhere. SDPA
+    converts a boolean mask this way on every call; built once in ``plan``, every
+    layer reuses it (in the KV cache's dtype, which is the model's, so the per-layer
+    cast to the queries' dtype is a no-op). No NaN: every decode query attends at
+    least its own key."""
+    bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device)
+    return bias.masked_fill_(masked, float("-inf"))
 
 
 def _grouped_decode(
