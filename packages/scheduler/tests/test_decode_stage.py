@@ -93,7 +93,7 @@ def test_advance_indexes_each_requests_new_key_per_head() -> None:
 def test_a_new_stage_zeroes_keys_past_the_longest_sequence() -> None:
     stage = DecodeStage(rows=[1, 2], seq_lens=[3, 5], capacity=64)
     gathered = torch.randn(2, 5, 2, 4)
-    k, v = stage.attend_inputs(0, torch.empty(0), torch.empty(0), (gathered, gathered + 1))
+    k, v = stage.start(0, (gathered, gathered + 1))
     assert k.shape == v.shape == (2, 2, 5, 4)
     torch.testing.assert_close(k, gathered.transpose(1, 2))
     assert torch.count_nonzero(stage.keys[0][:, :, 5:]) == 0

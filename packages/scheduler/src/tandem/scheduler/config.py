@@ -57,6 +57,9 @@ class EngineConfig:
             supports them, ``triton``; speculative steps are never captured).
         cuda_graph_max_bs: largest decode batch captured in a CUDA graph; larger
             batches run eagerly. Default: ``min(max_running_requests, 256)``.
+        disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
+            decode trace (the forward recorded once with ``torch.jit.trace``; used with
+            the ``torch`` backend's decode stage, without speculative decoding).
         skip_tokenizer_init: keep no tokenizer (SGLang's option): prompts must be
             ``input_ids``, results carry ``output_ids`` with empty ``text``, and stop
             strings are refused. The scheduler thread then never detokenizes, which a
@@ -94,6 +97,7 @@ class EngineConfig:
     disable_progress_bar: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    disable_decode_trace: bool = False
     skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None

@@ -32,8 +32,10 @@ from tandem.scheduler.attention import (
     create_attention_backend,
     default_backend,
 )
+from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
+from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
 from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
@@ -173,6 +175,7 @@ class Engine:
             spec=spec,
             copy_stream=None if self.device.type == "cpu" else DeviceStream(self.device),
             graphs=graphs,
+            decode_trace=self._decode_trace(model, attention),
         )
         self.attention_backend = backend
         return Scheduler(
@@ -201,6 +204,17 @@ class Engine:
         graphs = DecodeGraphRunner(model, attention, self.device, max_bs)
         graphs.capture()
         return graphs
+
+    def _decode_trace(self, model: CausalLM, attention: AttentionBackend) -> DecodeTrace | None:
+        """The CPU decode trace, unless disabled or of no use: it replays the steps
+        that continue a ``torch`` backend's decode stage, which exist on the CPU only,
+        and not the speculative steps."""
+        cfg = self.config
+        if cfg.disable_decode_trace or cfg.speculative or self.device.type != "cpu":
+            return None
+        if not isinstance(attention, TorchAttention) or not attention.decode_stage:
+            return None
+        return DecodeTrace(model, attention)
 
     def _num_pages(self, layout: KVLayout) -> int:
         cfg = self.config

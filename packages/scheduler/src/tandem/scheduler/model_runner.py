@@ -9,13 +9,16 @@ On an accelerator the batch's host inputs travel from pinned memory without bloc
 and its outputs go back on a separate copy stream into pinned memory: the copy stream
 waits for the forward stream's sampling, the copy-done event is recorded on the copy
 stream, and the forward stream is free to start the next batch at once. Decode
-batches replay a captured CUDA graph when a ``DecodeGraphRunner`` is given.
+batches replay a captured CUDA graph when a ``DecodeGraphRunner`` is given; on the CPU,
+decode steps that continue their decode stage replay a traced forward when a
+``DecodeTrace`` is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,7 @@ import torch
 from tandem.futuremap import DeviceStream, Event, FutureMap, Stream, Work
 from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
+from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.models import CausalLM
@@ -124,6 +128,7 @@ class ModelRunner:
         spec: SpeculativeWorker | None = None,
         copy_stream: DeviceStream | None = None,
         graphs: DecodeGraphRunner | None = None,
+        decode_trace: DecodeTrace | None = None,
     ) -> None:
         self.model = model
         self.req_pool = req_pool
@@ -140,6 +145,7 @@ class ModelRunner:
         # the forward stream's results are host tensors already).
         self.copy_stream = copy_stream
         self.graphs = graphs
+        self.decode_trace = decode_trace
         self._pin = self.device.type != "cpu"
 
     def launch(
@@ -250,9 +256,7 @@ class ModelRunner:
         fb, sampled = self._prepare_eager(batch)
         self.attention.plan(fb)
         capture = self.spec.capture_layers if self.spec is not None else ()
-        hidden, captured = self.model.forward_capture(
-            fb.input_ids, fb.positions, self.attention, capture
-        )
+        hidden, captured = self._forward(fb, capture)
         next_ids = None
         result = StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
         if batch.sample_indices and sampling is not None:
@@ -263,6 +267,17 @@ class ModelRunner:
             features = torch.cat(captured, dim=-1) if captured else hidden
             self._draft_after_prefill(batch, fb, features, next_ids, sampled)
         return result
+
+    def _forward(
+        self, fb: ForwardBatch, capture: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The model's forward of the planned batch: replayed by the decode trace when
+        the step is one it covers, else eager."""
+        if self.decode_trace is not None and not capture:
+            hidden = self.decode_trace.forward(fb)
+            if hidden is not None:
+                return hidden, []
+        return self.model.forward_capture(fb.input_ids, fb.positions, self.attention, capture)
 
     def _sample(
         self,

@@ -77,28 +77,22 @@ class DecodeStage:
         ]
         self.append = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
 
-    def attend_inputs(
-        self,
-        layer_id: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        gather: tuple[torch.Tensor, torch.Tensor] | None,
+    def start(
+        self, layer_id: int, gathered: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's ``[B, Hkv, L, D]`` keys and values (L the longest sequence) with
-        the step's new ``k``/``v`` (``[B, Hkv, D]``) in them. ``gather``: the layer's
-        keys and values gathered from the paged cache, ``[B, L, Hkv, D]`` each, on the
-        step that starts the stage (None on the others)."""
+        """Fill a layer's stage on the step that starts it, from its keys and values
+        gathered from the paged cache (``[B, L, Hkv, D]`` each, the step's own K/V
+        written already), and return them as ``[B, Hkv, L, D]`` (L the longest
+        sequence). The steps that continue the stage attend with ``StagedDecode``."""
         length = max(self.seq_lens)
-        if self.append is None:
-            assert gather is not None, "a new stage starts from a gather"
-            keys, values = (self._start(x) for x in gather)
-            self.keys[layer_id], self.values[layer_id] = keys, values
-        else:
-            keys, values = self.keys[layer_id], self.values[layer_id]
-            for buf, new in ((keys, k), (values, v)):
-                rows = new.reshape(-1, new.shape[-1])
-                buf.view(-1, buf.shape[-1]).index_copy_(0, self.append, as_dtype(rows, buf.dtype))
+        keys, values = (self._start(x) for x in gathered)
+        self.keys[layer_id], self.values[layer_id] = keys, values
         return keys[:, :, :length], values[:, :, :length]
+
+    def layers(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Every layer's staged keys and values, in layer order."""
+        order = sorted(self.keys)
+        return tuple(self.keys[i] for i in order), tuple(self.values[i] for i in order)
 
     def _start(self, gathered: torch.Tensor) -> torch.Tensor:
         """A layer's stage from its gathered ``[B, L, Hkv, D]`` K or V. Keys past L are
@@ -114,3 +108,10 @@ class DecodeStage:
 def stage_fits(batch: int, capacity: int, num_kv_heads: int, head_dim: int, itemsize: int) -> bool:
     """Whether one layer's stage (keys and values) stays under ``LAYER_MAX_BYTES``."""
     return 2 * batch * num_kv_heads * capacity * head_dim * itemsize <= LAYER_MAX_BYTES
+
+
+def append_to_stage(stage: torch.Tensor, append: torch.Tensor, new: torch.Tensor) -> None:
+    """Write a step's new keys or values (``[B, Hkv, D]``) into a layer's stage
+    (``[B, Hkv, capacity, D]``) at the flat indices ``append`` (``DecodeStage.append``)."""
+    rows = new.reshape(-1, new.shape[-1])
+    stage.view(-1, stage.shape[-1]).index_copy_(0, append, as_dtype(rows, stage.dtype))

@@ -7,7 +7,9 @@ tensors and the mask are built once per batch in ``plan`` and reused by every la
 
 Decode on the CPU takes a faster layout of the same SDPA call (see ``_grouped_decode``)
 and, for small models, keeps the batch's K/V contiguous across steps instead of
-gathering them every step (see ``attention.decode_stage``).
+gathering them every step (see ``attention.decode_stage``). A step that continues its
+stage reads tensors only (``StagedDecode``), which is what lets ``decode_trace`` replay
+the whole decode forward as one traced graph.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from tandem.scheduler.attention.base import (
     masked_shape,
     write_kv,
 )
-from tandem.scheduler.attention.decode_stage import DecodeStage, capacity_for, stage_fits
+from tandem.scheduler.attention.decode_stage import (
+    DecodeStage,
+    append_to_stage,
+    capacity_for,
+    stage_fits,
+)
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
 
@@ -44,6 +51,59 @@ class _Plan:
     grouped_decode: bool = False  # attend with ``_grouped_decode``
 
 
+@dataclass(frozen=True)
+class StagedDecode:
+    """A CPU decode step that continues its decode stage, as tensors only.
+
+    This is everything such a step's attention reads, in every layer: the paged cache
+    (written at ``out_cache_loc``), the stage (appended at ``append``) and the additive
+    mask. Having no Python state is the point: ``decode_trace`` passes these tensors to
+    a traced forward, so the eager step and the replayed one run ``attend``, the same
+    code, on the same data. The keys' length is the mask's last size, so a trace follows
+    it from step to step.
+    """
+
+    out_cache_loc: torch.Tensor  # [B] KV slot of each request's new token
+    append: torch.Tensor  # [B * Hkv] flat stage index of each new key (DecodeStage.append)
+    bias: torch.Tensor  # [B, 1, 1, L] additive mask, 0 or -inf
+    k_cache: tuple[torch.Tensor, ...]  # per layer, [slots, Hkv, D]
+    v_cache: tuple[torch.Tensor, ...]
+    k_stage: tuple[torch.Tensor, ...]  # per layer, [B, Hkv, capacity, D]
+    v_stage: tuple[torch.Tensor, ...]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor, flat, in the order ``from_tensors`` reads them."""
+        return (
+            self.out_cache_loc, self.append, self.bias,
+            *self.k_cache, *self.v_cache, *self.k_stage, *self.v_stage,
+        )  # fmt: skip
+
+    @classmethod
+    def from_tensors(cls, tensors: tuple[torch.Tensor, ...], num_layers: int) -> StagedDecode:
+        """The inverse of ``tensors``."""
+        loc, append, bias, *layers = tensors
+        if len(layers) != 4 * num_layers:
+            raise ValueError(f"{len(tensors)} tensors are not a {num_layers}-layer StagedDecode")
+        per = [tuple(layers[i * num_layers : (i + 1) * num_layers]) for i in range(4)]
+        return cls(loc, append, bias, *per)
+
+    def attend(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``AttentionBackend.forward`` of this step: write the new K/V to the paged
+        cache and the stage, attend over the stage's first L keys."""
+        k_buf, v_buf = self.k_cache[layer_id], self.v_cache[layer_id]
+        k_buf.index_copy_(0, self.out_cache_loc, as_dtype(k, k_buf.dtype))
+        v_buf.index_copy_(0, self.out_cache_loc, as_dtype(v, v_buf.dtype))
+        keys, values = self.k_stage[layer_id], self.v_stage[layer_id]
+        append_to_stage(keys, self.append, k)
+        append_to_stage(values, self.append, v)
+        length = self.bias.shape[-1]
+        keys, values = keys[:, :, :length], values[:, :, :length]
+        keys, values = as_dtype(keys, q.dtype), as_dtype(values, q.dtype)
+        return _grouped_decode(q, keys, values, as_dtype(self.bias, q.dtype), scale)
+
+
 class TorchAttention(AttentionBackend):
     """SDPA over the paged KV cache (see the module docstring)."""
 
@@ -57,6 +117,7 @@ class TorchAttention(AttentionBackend):
         self.decode_stage = decode_stage
         self._plan: _Plan | None = None
         self._stage: DecodeStage | None = None
+        self._staged: StagedDecode | None = None  # planned step continues the stage
 
     def _kv_slots(self, batch: ForwardBatch, max_seq: int) -> torch.Tensor:
         """Slot table rows of this batch, cut to the longest sequence: a device gather,
@@ -70,6 +131,7 @@ class TorchAttention(AttentionBackend):
         max_seq = max(batch.seq_lens_cpu, default=0)
         b = batch.batch_size
         stage, self._stage = self._stage, None  # only a CPU decode step keeps it
+        self._staged = None
         if max_query == 1 and min(batch.extend_lens_cpu, default=1) == 1:
             # Decode: one query per request, at the end of its sequence
             # (seq_lens = prefix_lens + 1), so the causal mask is just k < seq_len.
@@ -77,12 +139,14 @@ class TorchAttention(AttentionBackend):
             seq_lens = batch.seq_lens.view(b, 1)
             if device.type == "cpu":
                 self._stage = self._next_stage(stage, batch, max_seq)
-                continued = self._stage is not None and self._stage.append is not None
-                kv_slots = None if continued else self._kv_slots(batch, max_seq)
                 bias = _additive_mask(k_pos >= seq_lens, self.kv_cache.k_buffer(0).dtype)
-                self._plan = _Plan(
-                    batch.out_cache_loc, kv_slots, None, bias.view(b, 1, 1, max_seq), b, 1, True
-                )
+                bias = bias.view(b, 1, 1, max_seq)
+                if self._stage is not None and self._stage.append is not None:
+                    self._staged = self._staged_decode(self._stage, batch, bias)
+                    if self._staged is None:
+                        self._stage = None
+                kv_slots = None if self._staged is not None else self._kv_slots(batch, max_seq)
+                self._plan = _Plan(batch.out_cache_loc, kv_slots, None, bias, b, 1, True)
                 return
             mask = (k_pos < seq_lens).view(b, 1, 1, max_seq)
             kv_slots = self._kv_slots(batch, max_seq)
@@ -111,24 +175,25 @@ class TorchAttention(AttentionBackend):
         self, kv_slots: torch.Tensor, mask: torch.Tensor, out_cache_loc: torch.Tensor
     ) -> None:
         b, q, _ = masked_shape(kv_slots, mask, out_cache_loc)
-        self._stage = None
+        self._stage, self._staged = None, None
         # Exactly Q tokens per request: the packed layout is the padded one.
         self._plan = _Plan(out_cache_loc, kv_slots, None, mask.unsqueeze(1), b, q)
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        if self._staged is not None:
+            return self._staged.attend(layer_id, q, k, v, scale)
         plan = self._plan
         if plan is None:
             raise RuntimeError("TorchAttention.forward called before plan()")
         k_buf, v_buf = write_kv(self.kv_cache, layer_id, plan.out_cache_loc, k, v)
         _, num_heads, head_dim = q.shape
-        slots = plan.kv_slots
-        gathered = None if slots is None else (_gather(k_buf, slots), _gather(v_buf, slots))
+        assert plan.kv_slots is not None, "only a continued stage gathers nothing"
+        gathered = _gather(k_buf, plan.kv_slots), _gather(v_buf, plan.kv_slots)
         if self._stage is not None:
-            keys, values = self._stage.attend_inputs(layer_id, k, v, gathered)
+            keys, values = self._stage.start(layer_id, gathered)
         else:
-            assert gathered is not None
             keys, values = (x.transpose(1, 2) for x in gathered)  # [B, Hkv, L, D]
         keys, values = as_dtype(keys, q.dtype), as_dtype(values, q.dtype)
         if plan.grouped_decode:
@@ -148,6 +213,29 @@ class TorchAttention(AttentionBackend):
         )
         out = out.transpose(1, 2).reshape(plan.batch * plan.max_query, num_heads * head_dim)
         return out if plan.query_slot is None else out.index_select(0, plan.query_slot)
+
+    def staged_decode(self) -> StagedDecode | None:
+        """The planned step as tensors when it is a CPU decode step that continues its
+        decode stage (most steps of a steady decode batch), else None."""
+        return self._staged
+
+    def _staged_decode(
+        self, stage: DecodeStage, batch: ForwardBatch, bias: torch.Tensor
+    ) -> StagedDecode | None:
+        """The step continuing ``stage`` as tensors; None when the stage does not hold
+        layers ``0..n-1`` (a forward over other layer ids), which then gathers."""
+        assert stage.append is not None
+        num_layers = len(stage.keys)
+        if sorted(stage.keys) != list(range(num_layers)):
+            return None
+        k_stage, v_stage = stage.layers()
+        cache = self.kv_cache
+        return StagedDecode(
+            batch.out_cache_loc, stage.append, bias,
+            tuple(cache.k_buffer(i) for i in range(num_layers)),
+            tuple(cache.v_buffer(i) for i in range(num_layers)),
+            k_stage, v_stage,
+        )  # fmt: skip
 
     def _next_stage(
         self, stage: DecodeStage | None, batch: ForwardBatch, max_seq: int
