@@ -1,6 +1,7 @@
 """The decode stage (a CPU decode batch's K/V kept across steps): the engine's tokens
 are those of the gather-every-step path while requests leave the batch one by one, in
-both loops; the stage continues only a step of the same rows one token longer, and any
+both loops; the stage continues only a step of its rows (or some of them, the others
+dropped) one token longer, and any
 other plan drops it."""
 
 from __future__ import annotations
@@ -71,23 +72,39 @@ def test_staged_tokens_equal_gathered_tokens(
     assert 0 < used["start"] < used["advance"]
 
 
-def test_only_the_same_rows_one_token_longer_continue() -> None:
-    stage = DecodeStage(rows=[3, 5], seq_lens=[10, 20], capacity=capacity_for(20))
+def test_only_the_stage_rows_in_order_one_token_longer_continue() -> None:
+    stage = DecodeStage(rows=[3, 5, 8], seq_lens=[10, 20, 30], capacity=capacity_for(30))
     assert stage.capacity == 192
-    assert stage.continues([3, 5], [11, 21])
-    assert not stage.continues([5, 3], [21, 11])  # another order
+    assert stage.continues([3, 5, 8], [11, 21, 31])
+    assert stage.continues([3, 8], [11, 31])  # 5 left the batch
+    assert stage.continues([5], [21])
+    assert not stage.continues([8, 3], [31, 11])  # another order
     assert not stage.continues([3, 6], [11, 21])  # another row
-    assert not stage.continues([3, 5], [11, 22])  # not one token longer
-    assert not stage.continues([3, 5], [10, 20])
+    assert not stage.continues([3, 5, 8, 9], [11, 21, 31, 5])  # a request joined
+    assert not stage.continues([3, 5, 8], [11, 22, 31])  # not one token longer
+    assert not stage.continues([3, 5, 8], [10, 20, 30])
+    assert not stage.continues([], [])
     assert not DecodeStage([3], [191], 192).continues([3], [193])  # past the capacity
 
 
 def test_advance_indexes_each_requests_new_key_per_head() -> None:
     stage = DecodeStage(rows=[1, 2], seq_lens=[4, 7], capacity=64)
-    stage.advance([5, 8], num_kv_heads=2, device=torch.device("cpu"))
+    stage.advance([1, 2], [5, 8], num_kv_heads=2, device=torch.device("cpu"))
     assert stage.append is not None
     # [B, Hkv, capacity] flattened: request-major, then head, then position.
     assert stage.append.tolist() == [4, 64 + 4, 128 + 7, 192 + 7]
+
+
+def test_advance_drops_the_rows_that_left() -> None:
+    stage = DecodeStage(rows=[1, 2, 3], seq_lens=[4, 7, 9], capacity=64)
+    keys = torch.randn(3, 2, 64, 4)
+    stage.keys[0], stage.values[0] = keys, keys + 1
+    stage.advance([1, 3], [5, 10], num_kv_heads=2, device=torch.device("cpu"))
+    assert stage.rows == [1, 3]
+    torch.testing.assert_close(stage.keys[0], keys[[0, 2]])
+    torch.testing.assert_close(stage.values[0], keys[[0, 2]] + 1)
+    assert stage.append is not None
+    assert stage.append.tolist() == [4, 64 + 4, 128 + 9, 192 + 9]
 
 
 def test_a_new_stage_zeroes_keys_past_the_longest_sequence() -> None:

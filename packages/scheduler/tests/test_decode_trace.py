@@ -16,8 +16,8 @@ from tandem.scheduler import Engine
 from tandem.scheduler.attention.torch_backend import StagedDecode
 from tandem.scheduler.decode_trace import DecodeTrace
 
-# Lengths that differ, so requests leave one by one and every new stage has another
-# batch size; the longest outgrows a stage's capacity (128 keys of room) twice.
+# Lengths that differ, so requests leave one by one and the replayed batch shrinks;
+# the longest outgrows a stage's capacity (128 keys of room) twice.
 INPUTS = [[(11 * i + 5 * j) % 250 + 4 for j in range(3 + 13 * i)] for i in range(5)]
 MAX_NEW = [2, 60, 17, 290, 33]
 

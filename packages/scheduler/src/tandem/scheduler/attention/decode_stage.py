@@ -7,8 +7,9 @@ changes by one key per request. The stage keeps each layer's keys and values of 
 batch as ``[B, Hkv, capacity, D]`` tensors and appends the step's new K/V to them, so
 a step that continues the previous one gathers nothing.
 
-A step *continues* the stage when it decodes the same rows, in the same order, each
-one token longer, within the capacity. Anything else (a request joined or left, a
+A step *continues* the stage when it decodes the same rows, or some of them (the
+others left the batch), in the same order, each one token longer, within the capacity;
+the rows that left are dropped from the stage. Anything else (a request joined, a
 prefill, a speculative step, a longer sequence than the capacity) starts a new stage
 from one gather. Continuing is safe because a running request's cached K/V never
 change: its slots are written once, when its token is computed, and freed only after
@@ -23,6 +24,7 @@ is a small share of it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -59,15 +61,29 @@ class DecodeStage:
     values: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def continues(self, rows: list[int], seq_lens: list[int]) -> bool:
-        """Whether a decode step over ``rows`` at ``seq_lens`` extends this stage."""
-        return (
-            rows == self.rows
-            and max(seq_lens) <= self.capacity
-            and all(new == old + 1 for new, old in zip(seq_lens, self.seq_lens, strict=True))
-        )
+        """Whether a decode step over ``rows`` at ``seq_lens`` extends this stage: the
+        stage's rows or some of them (the others left the batch), in the stage's order,
+        each one token longer, within the capacity."""
+        kept = self._kept(rows)
+        if kept is None or not seq_lens or max(seq_lens) > self.capacity:
+            return False
+        return all(new == self.seq_lens[i] + 1 for i, new in zip(kept, seq_lens, strict=True))
 
-    def advance(self, seq_lens: list[int], num_kv_heads: int, device: torch.device) -> None:
-        """Move to the next step: each request's new key lands at ``seq_len - 1``."""
+    def advance(
+        self, rows: list[int], seq_lens: list[int], num_kv_heads: int, device: torch.device
+    ) -> None:
+        """Move to the next step (one that ``continues`` the stage): drop the requests
+        that left (one ``index_select`` per layer's keys and values, far less than the
+        gather a new stage starts from); each request's new key lands at
+        ``seq_len - 1``."""
+        if rows != self.rows:
+            kept = self._kept(rows)
+            assert kept is not None, "advance follows continues"
+            index = torch.tensor(kept, dtype=torch.int64).to(device, non_blocking=True)
+            for store in (self.keys, self.values):
+                for layer, staged in store.items():
+                    store[layer] = staged.index_select(0, index)
+            self.rows = list(rows)
         self.seq_lens = seq_lens
         heads = range(num_kv_heads)
         flat = [
@@ -76,6 +92,17 @@ class DecodeStage:
             for h in heads
         ]
         self.append = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+
+    def _kept(self, rows: list[int]) -> list[int] | None:
+        """The position in the stage of each of ``rows``, or None unless ``rows`` are
+        stage rows in the stage's order."""
+        if rows == self.rows:
+            return list(range(len(rows)))
+        position = {row: i for i, row in enumerate(self.rows)}
+        kept = [position.get(row, -1) for row in rows]
+        if -1 in kept or any(a >= b for a, b in itertools.pairwise(kept)):
+            return None
+        return kept
 
     def start(
         self, layer_id: int, gathered: tuple[torch.Tensor, torch.Tensor]

@@ -248,7 +248,7 @@ class TorchAttention(AttentionBackend):
         _, num_kv_heads, head_dim = self.kv_cache.k_buffer(0).shape
         device = batch.input_ids.device
         if stage is not None and stage.continues(rows, seq_lens):
-            stage.advance(seq_lens, num_kv_heads, device)
+            stage.advance(list(rows), seq_lens, num_kv_heads, device)
             return stage
         capacity = capacity_for(max_seq)
         itemsize = self.kv_cache.k_buffer(0).element_size()
