@@ -28,6 +28,7 @@ from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
+from tandem.scheduler.handoff import Handoff, StepDone
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.models import CausalLM
 from tandem.scheduler.sampling import (
@@ -147,16 +148,21 @@ class ModelRunner:
         self.graphs = graphs
         self.decode_trace = decode_trace
         self._pin = self.device.type != "cpu"
+        # The CPU (no copy stream): the worker sets each batch's copy-done itself.
+        self._handoff = Handoff() if copy_stream is None else None
 
     def launch(
         self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool = False
     ) -> LaunchedBatch:
         """Enqueue the batch on the forward stream; returns without waiting.
         ``new_period``: the scheduler was idle before this batch (for the timeline)."""
+        if self._handoff is not None:
+            # The CPU: the step's outputs are host tensors already, and its copy-done
+            # is set by the worker (see ``handoff``).
+            done = self._handoff.launch()
+            work = self.stream.submit(self._timed_step, batch, sampling, new_period, done)
+            return LaunchedBatch(batch, work, done)
         work = self.stream.submit(self._timed_step, batch, sampling, new_period)
-        if self.copy_stream is None:
-            # The CPU: the step's outputs are host tensors already.
-            return LaunchedBatch(batch, work, self.stream.record_event())
         # An accelerator stream runs the submitted step at once (it only enqueues), so
         # its device outputs exist now: copy them on the copy stream after the forward.
         self.copy_stream.wait_stream(self.stream)
@@ -237,18 +243,28 @@ class ModelRunner:
         return fb, _Sampled(None if every_token else last, sample_rows)
 
     def _timed_step(
-        self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool
+        self,
+        batch: ScheduledBatch,
+        sampling: SamplingSpec | None,
+        new_period: bool,
+        done: StepDone | None = None,
     ) -> StepResult:
         handle = self.timeline.begin(new_period)
+        if self._handoff is not None:
+            self._handoff.start()
         try:
             return self._forward_step(batch, sampling)
         finally:
             self.timeline.end(handle)
+            if self._handoff is not None and done is not None:
+                self._handoff.finish(done)
 
     @torch.inference_mode()
     def _forward_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
         if batch.mode is ForwardMode.SPEC_DECODE:
             self._write_tables(batch)
+            if self._handoff is not None:
+                self._handoff.release()  # a speculative step is forwards throughout
             return self._spec_step(batch, sampling)
         if self._graph_fits(batch):
             self._write_tables(batch)
@@ -273,6 +289,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The model's forward of the planned batch: replayed by the decode trace when
         the step is one it covers, else eager."""
+        if self._handoff is not None:
+            self._handoff.release()  # the host's work now runs beside this forward
         if self.decode_trace is not None and not capture:
             hidden = self.decode_trace.forward(fb)
             if hidden is not None:

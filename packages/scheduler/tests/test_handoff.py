@@ -1,0 +1,90 @@
+"""The CPU handoff of a batch's copy-done: held while a later batch is queued, set when
+that batch reaches its forward or ends (failed or not), set at once otherwise; and the
+engine's overlap loop, which uses it, gives the normal loop's tokens and reports a
+failed step instead of waiting forever on the batch before it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tandem.scheduler import Engine
+from tandem.scheduler.handoff import Handoff, StepDone
+from tandem.scheduler.model_runner import ModelRunner
+
+
+def test_nothing_queued_sets_the_event_when_the_batch_ends() -> None:
+    handoff = Handoff()
+    done = handoff.launch()
+    handoff.start()
+    assert not done.query()
+    handoff.finish(done)
+    assert done.query()
+    done.synchronize()  # returns at once
+
+
+def test_a_queued_batch_holds_the_event_until_its_forward() -> None:
+    handoff = Handoff()
+    first, second = handoff.launch(), handoff.launch()
+    handoff.start()
+    handoff.finish(first)
+    assert not first.query(), "the second batch is queued: the first one's event waits"
+    handoff.start()
+    handoff.release()  # the second batch reached its forward
+    assert first.query()
+    assert not second.query()
+    handoff.finish(second)
+    assert second.query()
+
+
+def test_a_batch_that_ends_without_a_forward_still_releases() -> None:
+    handoff = Handoff()
+    first, second = handoff.launch(), handoff.launch()
+    handoff.start()
+    handoff.finish(first)
+    handoff.start()
+    handoff.finish(second)  # e.g. the second batch failed before its forward
+    assert first.query()
+    assert second.query()
+
+
+def test_a_step_done_is_set_not_recorded() -> None:
+    with pytest.raises(TypeError, match="set by the forward stream"):
+        StepDone().record(None)  # type: ignore[arg-type]
+
+
+def _generate(overlap: bool) -> list[list[int]]:
+    with Engine(
+        device="cpu",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        disable_progress_bar=True,
+        disable_overlap_schedule=not overlap,
+    ) as engine:
+        prompts = [[(3 * i + 17 * j) % 300 + 2 for j in range(4 + 7 * i)] for i in range(7)]
+        params = [{"max_new_tokens": 5 + 11 * i, "ignore_eos": True} for i in range(7)]
+        return [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+def test_the_overlap_loop_with_the_handoff_gives_the_normal_loops_tokens() -> None:
+    assert _generate(overlap=True) == _generate(overlap=False)
+
+
+def test_a_failed_step_does_not_hang_the_held_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    forward_step = ModelRunner._forward_step
+    calls = {"n": 0}
+
+    def fail_once(self: ModelRunner, *args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 12:  # a decode step, with the previous one's event held
+            raise RuntimeError("injected forward failure")
+        return forward_step(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_forward_step", fail_once)
+    with Engine(device="cpu", skip_tokenizer_init=True, disable_progress_bar=True) as engine:
+        with pytest.raises(RuntimeError, match="generation failed"):
+            engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 40})
+        # The engine stops on a failed step; it reports that, it does not hang.
+        with pytest.raises(RuntimeError):
+            engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})
