@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from reference_models import VOCAB
 
 from tandem.scheduler import Engine
@@ -109,3 +110,22 @@ def test_n_samples_per_prompt(checkpoints: dict[str, Path]) -> None:
 def test_context_length_beyond_the_model_is_refused(checkpoints: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="context_length"):
         _engine(checkpoints["llama"], context_length=10_000)
+
+
+@pytest.mark.parametrize("threads", [None, 1])
+def test_the_cpu_forward_thread_leaves_a_core_to_the_scheduler(threads: int | None) -> None:
+    caller = torch.get_num_threads()
+    options = {} if threads is None else {"cpu_forward_threads": threads}
+    with Engine(device="cpu", skip_tokenizer_init=True, **options) as engine:
+        expected = threads or max(1, caller - 1)
+        stream = engine.scheduler.runner.stream
+        assert stream.submit(torch.get_num_threads).result() == expected
+        assert engine.get_server_info()["forward_threads"] == expected
+        out = engine.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3})
+        assert len(out["output_ids"]) == 3
+    assert torch.get_num_threads() == caller, "the caller's threads are its own"
+
+
+def test_cpu_forward_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="cpu_forward_threads"):
+        Engine(device="cpu", cpu_forward_threads=0)

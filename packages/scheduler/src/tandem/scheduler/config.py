@@ -57,6 +57,9 @@ class EngineConfig:
             supports them, ``triton``; speculative steps are never captured).
         cuda_graph_max_bs: largest decode batch captured in a CUDA graph; larger
             batches run eagerly. Default: ``min(max_running_requests, 256)``.
+        cpu_forward_threads: intra-op threads of the CPU forward (set on the forward
+            stream's worker thread only); default: one fewer than torch's intra-op
+            threads, at least 1, which leaves a core to the scheduler thread.
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
             the ``torch`` backend's decode stage, without speculative decoding).
@@ -97,6 +100,7 @@ class EngineConfig:
     disable_progress_bar: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    cpu_forward_threads: int | None = None
     disable_decode_trace: bool = False
     skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None
@@ -134,7 +138,9 @@ class EngineConfig:
                 f"{', '.join(SCHEDULE_POLICIES)}"
             )
         _positive(self, "page_size", "max_running_requests", "max_prefill_tokens")
-        _positive_or_none(self, "context_length", "max_total_tokens", "cuda_graph_max_bs")
+        _positive_or_none(
+            self, "context_length", "max_total_tokens", "cuda_graph_max_bs", "cpu_forward_threads"
+        )
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError(
                 f"chunked_prefill_size must be >= 1 or -1 (off), got {self.chunked_prefill_size}"

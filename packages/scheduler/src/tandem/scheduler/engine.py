@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tandem.futuremap import DeviceStream, FutureMap, create_stream, read_env
+from tandem.futuremap import DeviceStream, FutureMap, Stream, create_stream, read_env
 from tandem.scheduler.attention import (
     AttentionBackend,
     HeadShape,
@@ -114,6 +114,10 @@ class Engine:
                 f"max_position_embeddings ({max_pos})"
             )
         self.context_length = cfg.context_length or max_pos
+        self.forward_threads: int | None = None
+        """Intra-op threads of the CPU forward (None on accelerators)."""
+        if self.device.type == "cpu":
+            self.forward_threads = cfg.cpu_forward_threads or max(1, torch.get_num_threads() - 1)
         tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or self.model_path))
         self.eos_ids = _eos_ids(self.model_path, self.model_config, tokenizer)
         # skip_tokenizer_init keeps the tokenizer's eos ids (the same stops either way).
@@ -171,7 +175,7 @@ class Engine:
             sampler=sampler,
             penalties=PenaltyState(rows, mc.vocab_size, self.device),
             future_map=future_map,
-            stream=create_stream(self.device, name="tandem-forward"),
+            stream=self._forward_stream(),
             spec=spec,
             copy_stream=None if self.device.type == "cpu" else DeviceStream(self.device),
             graphs=graphs,
@@ -204,6 +208,15 @@ class Engine:
         graphs = DecodeGraphRunner(model, attention, self.device, max_bs)
         graphs.capture()
         return graphs
+
+    def _forward_stream(self) -> Stream:
+        """The forward stream. On the CPU its worker thread runs the forward with
+        ``forward_threads`` intra-op threads (a per-thread setting: the caller's
+        threads keep theirs)."""
+        stream = create_stream(self.device, name="tandem-forward")
+        if self.forward_threads is not None:
+            stream.submit(torch.set_num_threads, self.forward_threads).result()
+        return stream
 
     def _decode_trace(self, model: CausalLM, attention: AttentionBackend) -> DecodeTrace | None:
         """The CPU decode trace, unless disabled or of no use: it replays the steps
@@ -312,6 +325,7 @@ class Engine:
             "context_length": self.context_length,
             "attention_backend": self.attention_backend,
             "overlap_schedule": s.overlap,
+            "forward_threads": self.forward_threads,
             "max_total_tokens": kv.capacity_tokens,
             "available_kv_tokens": kv.available_tokens,
             "free_rows": rows.available,
