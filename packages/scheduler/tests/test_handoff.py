@@ -5,10 +5,12 @@ failed step instead of waiting forever on the batch before it."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
+from tandem.futuremap import HostStream
 from tandem.scheduler import Engine
 from tandem.scheduler.handoff import Handoff, StepDone
 from tandem.scheduler.model_runner import ModelRunner
@@ -82,9 +84,37 @@ def test_a_failed_step_does_not_hang_the_held_batch(monkeypatch: pytest.MonkeyPa
         return forward_step(self, *args)
 
     monkeypatch.setattr(ModelRunner, "_forward_step", fail_once)
-    with Engine(device="cpu", skip_tokenizer_init=True, disable_progress_bar=True) as engine:
-        with pytest.raises(RuntimeError, match="generation failed"):
+    engine = Engine(device="cpu", skip_tokenizer_init=True, disable_progress_bar=True)
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
             engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 40})
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    # In a daemon thread with a deadline: a held event that is never set would hang it
+    # (and the engine with it, which is then left to the interpreter's exit).
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    if thread.is_alive():
+        pytest.fail("generate hung after a failed step")
+    try:
+        assert calls["n"] >= 12  # the failure was injected (a queued step may follow it)
+        assert [str(e) for e in errors] == ["generation failed"]
         # The engine stops on a failed step; it reports that, it does not hang.
         with pytest.raises(RuntimeError):
             engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})
+    finally:
+        engine.shutdown()
+
+
+def test_a_stream_can_wait_on_a_step_done() -> None:
+    done = StepDone()
+    with HostStream(name="test-handoff") as stream:
+        stream.wait_event(done)
+        after = stream.submit(lambda: "ran")
+        assert not after.done()
+        done.set()
+        assert after.result(timeout=10) == "ran"

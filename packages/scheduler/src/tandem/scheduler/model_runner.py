@@ -78,9 +78,9 @@ class StepResult:
     ``LaunchedBatch.wait`` returns are host tensors (on an accelerator, copies made on the
     copy stream), valid after the batch's copy-done event.
 
-        Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled). After
-        a speculative step ``next_token_ids`` is ``[B, max_accept]`` and ``accept_lens``
-        says how many of each row's tokens count."""
+    Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled). After a
+    speculative step ``next_token_ids`` is ``[B, max_accept]`` and ``accept_lens`` says
+    how many of each row's tokens count."""
 
     next_token_ids: torch.Tensor
     accept_lens: torch.Tensor | None = None

@@ -101,9 +101,21 @@ def write_kv(
     return the layer's K and V buffers: the first half of every backend's ``forward``."""
     k_buf = kv_cache.k_buffer(layer_id)
     v_buf = kv_cache.v_buffer(layer_id)
+    write_kv_buffers(k_buf, v_buf, out_cache_loc, k, v)
+    return k_buf, v_buf
+
+
+def write_kv_buffers(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """``write_kv`` into one layer's K and V buffers given as tensors (what a traced
+    forward holds instead of a ``KVCacheView``)."""
     k_buf.index_copy_(0, out_cache_loc, as_dtype(k, k_buf.dtype))
     v_buf.index_copy_(0, out_cache_loc, as_dtype(v, v_buf.dtype))
-    return k_buf, v_buf
 
 
 def masked_shape(

@@ -117,9 +117,10 @@ class DecodeStage:
         return keys[:, :, :length], values[:, :, :length]
 
     def layers(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Every layer's staged keys and values, in layer order."""
-        order = sorted(self.keys)
-        return tuple(self.keys[i] for i in order), tuple(self.values[i] for i in order)
+        """Every layer's staged keys and values, indexed by layer id. The start step
+        ran the forward over every layer of one model, whose ids are ``0..n-1``."""
+        layers = range(len(self.keys))
+        return tuple(self.keys[i] for i in layers), tuple(self.values[i] for i in layers)
 
     def _start(self, gathered: torch.Tensor) -> torch.Tensor:
         """A layer's stage from its gathered ``[B, L, Hkv, D]`` K or V. Keys past L are

@@ -24,6 +24,7 @@ from tandem.scheduler.attention.base import (
     KVCacheView,
     masked_shape,
     write_kv,
+    write_kv_buffers,
 )
 from tandem.scheduler.attention.decode_stage import (
     DecodeStage,
@@ -92,9 +93,7 @@ class StagedDecode:
     ) -> torch.Tensor:
         """``AttentionBackend.forward`` of this step: write the new K/V to the paged
         cache and the stage, attend over the stage's first L keys."""
-        k_buf, v_buf = self.k_cache[layer_id], self.v_cache[layer_id]
-        k_buf.index_copy_(0, self.out_cache_loc, as_dtype(k, k_buf.dtype))
-        v_buf.index_copy_(0, self.out_cache_loc, as_dtype(v, v_buf.dtype))
+        write_kv_buffers(self.k_cache[layer_id], self.v_cache[layer_id], self.out_cache_loc, k, v)
         keys, values = self.k_stage[layer_id], self.v_stage[layer_id]
         append_to_stage(keys, self.append, k)
         append_to_stage(values, self.append, v)
@@ -143,8 +142,6 @@ class TorchAttention(AttentionBackend):
                 bias = bias.view(b, 1, 1, max_seq)
                 if self._stage is not None and self._stage.append is not None:
                     self._staged = self._staged_decode(self._stage, batch, bias)
-                    if self._staged is None:
-                        self._stage = None
                 kv_slots = None if self._staged is not None else self._kv_slots(batch, max_seq)
                 self._plan = _Plan(batch.out_cache_loc, kv_slots, None, bias, b, 1, True)
                 return
@@ -221,19 +218,16 @@ class TorchAttention(AttentionBackend):
 
     def _staged_decode(
         self, stage: DecodeStage, batch: ForwardBatch, bias: torch.Tensor
-    ) -> StagedDecode | None:
-        """The step continuing ``stage`` as tensors; None when the stage does not hold
-        layers ``0..n-1`` (a forward over other layer ids), which then gathers."""
+    ) -> StagedDecode:
+        """The step continuing ``stage`` as tensors."""
         assert stage.append is not None
-        num_layers = len(stage.keys)
-        if sorted(stage.keys) != list(range(num_layers)):
-            return None
         k_stage, v_stage = stage.layers()
+        layers = range(len(k_stage))
         cache = self.kv_cache
         return StagedDecode(
             batch.out_cache_loc, stage.append, bias,
-            tuple(cache.k_buffer(i) for i in range(num_layers)),
-            tuple(cache.v_buffer(i) for i in range(num_layers)),
+            tuple(cache.k_buffer(i) for i in layers),
+            tuple(cache.v_buffer(i) for i in layers),
             k_stage, v_stage,
         )  # fmt: skip
 
