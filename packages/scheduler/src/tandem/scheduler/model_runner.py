@@ -1,9 +1,11 @@
 """Runs one ``ScheduledBatch`` on the forward stream: resolve, forward, sample, stash,
 copy to host, record copy-done.
 
-Everything in ``_forward_step`` is device work enqueued in stream order (on the CPU
-it runs on the host stream's worker thread). The host gets a ``LaunchedBatch`` back at
-once and touches its results only after waiting on its copy-done event.
+``launch`` turns the batch's lists into one host tensor on the schedule side
+(``step_inputs``); everything in ``_forward_step`` is device work enqueued in stream
+order (on the CPU it runs on the host stream's worker thread). The host gets a
+``LaunchedBatch`` back at once and touches its results only after waiting on its
+copy-done event.
 
 On an accelerator the batch's host inputs travel from pinned memory without blocking,
 and its outputs go back on a separate copy stream into pinned memory: the copy stream
@@ -17,7 +19,6 @@ decode steps that continue their decode stage replay a traced forward when a
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from tandem.scheduler.sampling import (
 )
 from tandem.scheduler.schedule_batch import ScheduledBatch
 from tandem.scheduler.speculative import PrefillDraftInput, SpecDecodeInput, SpeculativeWorker
+from tandem.scheduler.step_inputs import StepColumns, StepInputs
 from tandem.scheduler.timeline import Timeline
 
 
@@ -154,15 +156,17 @@ class ModelRunner:
     def launch(
         self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool = False
     ) -> LaunchedBatch:
-        """Enqueue the batch on the forward stream; returns without waiting.
+        """Enqueue the batch on the forward stream; returns without waiting. The
+        batch's host tensors are built here, on the schedule side (``step_inputs``).
         ``new_period``: the scheduler was idle before this batch (for the timeline)."""
+        inputs = StepInputs.build(batch, self.req_pool.req_to_token.shape[1], self._pin)
         if self._handoff is not None:
             # The CPU: the step's outputs are host tensors already, and its copy-done
             # is set by the worker (see ``handoff``).
             done = self._handoff.launch()
-            work = self.stream.submit(self._timed_step, batch, sampling, new_period, done)
+            work = self.stream.submit(self._timed_step, batch, inputs, sampling, new_period, done)
             return LaunchedBatch(batch, work, done)
-        work = self.stream.submit(self._timed_step, batch, sampling, new_period)
+        work = self.stream.submit(self._timed_step, batch, inputs, sampling, new_period)
         # An accelerator stream runs the submitted step at once (it only enqueues), so
         # its device outputs exist now: copy them on the copy stream after the forward.
         self.copy_stream.wait_stream(self.stream)
@@ -177,74 +181,54 @@ class ModelRunner:
 
     # -- on the forward stream --------------------------------------------------------------
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return self._tensors(values)[0]
+        """An int list as a device tensor (the rare inputs ``StepInputs`` leaves out)."""
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self._pin)
+        return host.to(self.device, non_blocking=True)
 
-    def _tensors(self, *columns: list[int]) -> list[torch.Tensor]:
-        """Several int lists as device tensors from one host tensor and one copy: each
-        tensor creation costs a few microseconds of the forward stream's time, which a
-        small model's decode step feels."""
-        flat = torch.tensor(
-            [v for column in columns for v in column], dtype=torch.int64, pin_memory=self._pin
-        )
-        return list(flat.to(self.device, non_blocking=True).split([len(c) for c in columns]))
-
-    def _write_tables(self, batch: ScheduledBatch) -> None:
+    def _write_tables(self, batch: ScheduledBatch, columns: StepColumns) -> None:
         """The batch's req_to_token entries and penalty resets, in stream order (a queued
         forward may still read the table)."""
         if batch.table_rows:
-            self._write_table(*self._tensors(batch.table_rows, batch.table_cols, batch.table_slots))
-        self._reset_penalties(batch)
-
-    def _write_table(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
-        table = self.req_pool.req_to_token
-        table[rows, cols] = slots.to(table.dtype)
-
-    def _reset_penalties(self, batch: ScheduledBatch) -> None:
+            table = self.req_pool.req_to_token
+            slots = columns.table_slots.to(table.dtype)
+            table.view(-1).index_copy_(0, columns.table_index, slots)
         for reset in batch.penalty_resets:
             outputs = self._tensor(reset.output_ids) if reset.output_ids else None
             self.penalties.reset_row(
                 reset.row, self._tensor(reset.prompt_ids), reset.params, output_ids=outputs
             )
 
-    def _prepare_eager(self, batch: ScheduledBatch) -> tuple[ForwardBatch, _Sampled]:
+    def _prepare_eager(
+        self, batch: ScheduledBatch, inputs: StepInputs
+    ) -> tuple[ForwardBatch, _Sampled]:
         """Write the batch's table entries and build its ``ForwardBatch`` and sampling
-        indices, with one host-to-device copy for all of them (each copy costs the
-        forward stream several microseconds, which a small model's step feels)."""
-        seq_lens = batch.seq_lens
-        ends = list(itertools.accumulate(batch.extend_lens))
-        sample_last = [ends[i] - 1 for i in batch.sample_indices]
-        (table_rows, table_cols, table_slots, positions, rows, seq_lens_t, prefix_lens,
-         extend_lens, out_cache_loc, last, sample_rows) = self._tensors(
-            batch.table_rows, batch.table_cols, batch.table_slots,
-            batch.positions, batch.rows, seq_lens, batch.prefix_lens, batch.extend_lens,
-            batch.out_cache_loc, sample_last, batch.sample_rows,
-        )  # fmt: skip
-        if batch.table_rows:
-            self._write_table(table_rows, table_cols, table_slots)
-        self._reset_penalties(batch)
-        input_ids = self.future_map.resolve_mixed(batch.prefill_tokens, batch.decode_rows)
+        indices from its columns."""
+        columns = inputs.on(self.device)
+        self._write_tables(batch, columns)
+        input_ids = self.future_map.resolve_mixed(
+            columns.prefill_tokens, columns.decode_rows(len(batch.decode_rows))
+        )
         fb = ForwardBatch(
             mode=batch.mode,
             input_ids=input_ids,
-            positions=positions,
-            req_pool_indices=rows,
-            seq_lens=seq_lens_t,
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            out_cache_loc=out_cache_loc,
-            seq_lens_cpu=seq_lens,
+            positions=columns.positions,
+            req_pool_indices=columns.rows,
+            seq_lens=columns.seq_lens,
+            prefix_lens=columns.prefix_lens,
+            extend_lens=columns.extend_lens,
+            out_cache_loc=columns.out_cache_loc,
+            seq_lens_cpu=batch.seq_lens,
             prefix_lens_cpu=list(batch.prefix_lens),
             extend_lens_cpu=list(batch.extend_lens),
             req_pool_indices_cpu=list(batch.rows),
         )
-        # Every token samples, in order (a decode batch): the hidden states need no gather.
-        total = ends[-1] if ends else 0
-        every_token = len(sample_last) == total and sample_last == list(range(total))
-        return fb, _Sampled(None if every_token else last, sample_rows)
+        last = None if inputs.every_token_samples else columns.sample_last
+        return fb, _Sampled(last, columns.sample_rows)
 
     def _timed_step(
         self,
         batch: ScheduledBatch,
+        inputs: StepInputs,
         sampling: SamplingSpec | None,
         new_period: bool,
         done: StepDone | None = None,
@@ -253,23 +237,27 @@ class ModelRunner:
         if self._handoff is not None:
             self._handoff.start()
         try:
-            return self._forward_step(batch, sampling)
+            return self._forward_step(batch, inputs, sampling)
         finally:
             self.timeline.end(handle)
             if self._handoff is not None and done is not None:
                 self._handoff.finish(done)
 
     @torch.inference_mode()
-    def _forward_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
+    def _forward_step(
+        self, batch: ScheduledBatch, inputs: StepInputs, sampling: SamplingSpec | None
+    ) -> StepResult:
         if batch.mode is ForwardMode.SPEC_DECODE:
-            self._write_tables(batch)
+            columns = inputs.on(self.device)
+            self._write_tables(batch, columns)
             if self._handoff is not None:
                 self._handoff.release()  # a speculative step is forwards throughout
-            return self._spec_step(batch, sampling)
+            return self._spec_step(batch, columns, sampling)
         if self._graph_fits(batch):
-            self._write_tables(batch)
-            return self._graph_step(batch, sampling)
-        fb, sampled = self._prepare_eager(batch)
+            columns = inputs.on(self.device)
+            self._write_tables(batch, columns)
+            return self._graph_step(batch, columns, sampling)
+        fb, sampled = self._prepare_eager(batch, inputs)
         self.attention.plan(fb)
         capture = self.spec.capture_layers if self.spec is not None else ()
         hidden, captured = self._forward(fb, capture)
@@ -323,7 +311,9 @@ class ModelRunner:
             and self.graphs.padded_size(len(batch.rows)) is not None
         )
 
-    def _graph_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
+    def _graph_step(
+        self, batch: ScheduledBatch, columns: StepColumns, sampling: SamplingSpec | None
+    ) -> StepResult:
         """A decode batch through its captured graph: the FutureMap resolves the input
         ids on this stream, the graph replays, the sampling rows' logits are sampled."""
         assert self.graphs is not None
@@ -333,7 +323,8 @@ class ModelRunner:
         )
         if not batch.sample_indices or sampling is None:
             return StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
-        indices, rows = self._tensors(batch.sample_indices, batch.sample_rows)
+        # A decode request's one token is its last: sample_last is the batch index.
+        indices, rows = columns.sample_last, columns.sample_rows
         if len(batch.sample_indices) != len(batch.rows):
             logits = logits.index_select(0, indices)
         elif batch.return_logits:
@@ -372,12 +363,14 @@ class ModelRunner:
             )
         )
 
-    def _spec_step(self, batch: ScheduledBatch, sampling: SamplingSpec | None) -> StepResult:
+    def _spec_step(
+        self, batch: ScheduledBatch, columns: StepColumns, sampling: SamplingSpec | None
+    ) -> StepResult:
         assert self.spec is not None
         assert sampling is not None
         out = self.spec.decode(
             SpecDecodeInput(
-                rows=self._tensor(batch.rows),
+                rows=columns.rows,
                 bounds=list(batch.spec_bounds),
                 sampling=sampling.build(self.device),
                 steps=list(batch.spec_steps),

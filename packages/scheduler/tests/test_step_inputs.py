@@ -1,0 +1,108 @@
+"""A batch's host columns (``StepInputs``), built on the schedule side at launch: each
+column holds the batch's list, the req_to_token entries become flat indices that
+address the same cells, decode rows are the batch's last rows, and a decode batch
+needs no gather before its logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.scheduler.forward_batch import ForwardMode
+from tandem.scheduler.schedule_batch import ScheduledBatch
+from tandem.scheduler.step_inputs import StepInputs
+
+WIDTH = 32  # req_to_token's row length
+
+
+def _mixed() -> ScheduledBatch:
+    """Request at row 3 prefills 4 tokens after a cached prefix of 2 (not its last
+    chunk: it samples nothing); rows 5 and 1 decode one token each."""
+    return ScheduledBatch(
+        ForwardMode.MIXED,
+        reqs=[],
+        prefix_lens=[2, 9, 4],
+        extend_lens=[4, 1, 1],
+        prefill_tokens=[11, 12, 13, 14],
+        decode_rows=[5, 1],
+        positions=[2, 3, 4, 5, 9, 4],
+        out_cache_loc=[40, 41, 42, 43, 70, 20],
+        table_rows=[3, 3, 3, 3, 5, 1],
+        table_cols=[2, 3, 4, 5, 9, 4],
+        table_slots=[40, 41, 42, 43, 70, 20],
+        sample_indices=[1, 2],
+        rows=[3, 5, 1],
+    )
+
+
+def _decode() -> ScheduledBatch:
+    return ScheduledBatch(
+        ForwardMode.DECODE,
+        reqs=[],
+        prefix_lens=[7, 3],
+        extend_lens=[1, 1],
+        decode_rows=[2, 4],
+        positions=[7, 3],
+        out_cache_loc=[50, 51],
+        table_rows=[2, 4],
+        table_cols=[7, 3],
+        table_slots=[50, 51],
+        sample_indices=[0, 1],
+        rows=[2, 4],
+    )
+
+
+def test_columns_hold_the_batch_lists() -> None:
+    batch = _mixed()
+    columns = StepInputs.build(batch, WIDTH, pin=False).on(torch.device("cpu"))
+    assert columns.prefill_tokens.tolist() == batch.prefill_tokens
+    assert columns.positions.tolist() == batch.positions
+    assert columns.rows.tolist() == batch.rows
+    assert columns.seq_lens.tolist() == [6, 10, 5]
+    assert columns.prefix_lens.tolist() == batch.prefix_lens
+    assert columns.extend_lens.tolist() == batch.extend_lens
+    assert columns.out_cache_loc.tolist() == batch.out_cache_loc
+    assert columns.table_slots.tolist() == batch.table_slots
+    # The decode requests' tokens are the 5th and 6th of the [T] layout.
+    assert columns.sample_last.tolist() == [4, 5]
+    assert columns.sample_rows.tolist() == [5, 1]
+    assert columns.decode_rows(len(batch.decode_rows)).tolist() == [5, 1]
+    assert all(c.dtype == torch.int64 for c in columns)
+
+
+def test_table_indices_address_the_same_cells() -> None:
+    batch = _mixed()
+    columns = StepInputs.build(batch, WIDTH, pin=False).on(torch.device("cpu"))
+    flat = torch.zeros(8, WIDTH, dtype=torch.int32)
+    slots = columns.table_slots.to(torch.int32)
+    flat.view(-1).index_copy_(0, columns.table_index, slots)
+    indexed = torch.zeros(8, WIDTH, dtype=torch.int32)
+    indexed[batch.table_rows, batch.table_cols] = torch.tensor(batch.table_slots).int()
+    assert torch.equal(flat, indexed)
+    assert flat.count_nonzero() == len(batch.table_slots)
+
+
+def test_a_decode_batch_needs_no_gather_before_its_logits() -> None:
+    assert StepInputs.build(_decode(), WIDTH, pin=False).every_token_samples
+    assert not StepInputs.build(_mixed(), WIDTH, pin=False).every_token_samples
+
+
+def test_cpu_columns_are_the_host_views() -> None:
+    inputs = StepInputs.build(_decode(), WIDTH, pin=False)
+    assert inputs.on(torch.device("cpu")) is inputs.host_columns
+    assert sum(inputs.sizes) == inputs.host.numel()
+
+
+def test_decode_rows_must_come_last() -> None:
+    batch = _mixed()
+    batch.decode_rows = [1, 5]  # not the batch's last rows in order
+    with pytest.raises(ValueError, match="decode rows must be its last rows"):
+        StepInputs.build(batch, WIDTH, pin=False)
+
+
+def test_an_empty_batch_has_empty_columns() -> None:
+    batch = ScheduledBatch(ForwardMode.DECODE, reqs=[], prefix_lens=[], extend_lens=[])
+    inputs = StepInputs.build(batch, WIDTH, pin=False)
+    assert inputs.host.numel() == 0
+    assert all(c.numel() == 0 for c in inputs.host_columns)
+    assert inputs.every_token_samples
