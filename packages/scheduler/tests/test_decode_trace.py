@@ -75,6 +75,42 @@ def test_the_trace_shares_the_models_weights() -> None:
         engine.shutdown()
 
 
+class _Spy:
+    """Stands in for the recorded forward: calls it, keeps what went in and out."""
+
+    def __init__(self, traced: Any) -> None:
+        self.traced = traced
+        self.calls: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = self.traced(*inputs)
+        self.calls.append((inputs, outputs))
+        return outputs
+
+
+def test_the_replay_hands_back_its_inputs() -> None:
+    """The traced forward returns the very tensors it was given after the hidden
+    states, so it holds them until the call has retaken the GIL: an input dropped
+    mid-replay would make torch take the GIL there (see ``decode_trace``)."""
+    engine = _engine()
+    try:
+        engine.generate(input_ids=INPUTS[:2], sampling_params={"max_new_tokens": 4})
+        trace = engine.scheduler.runner.decode_trace
+        assert trace is not None
+        assert trace._traced is not None
+        spy = _Spy(trace._traced)
+        trace._traced = spy  # type: ignore[assignment]
+        engine.generate(input_ids=INPUTS[:3], sampling_params={"max_new_tokens": 8})
+        assert spy.calls
+        for inputs, outputs in spy.calls:
+            hidden, *returned = outputs
+            assert hidden.shape[0] == inputs[0].shape[0]
+            assert len(returned) == len(inputs)
+            assert all(out is given for out, given in zip(returned, inputs, strict=True))
+    finally:
+        engine.shutdown()
+
+
 def test_the_trace_is_off_when_disabled() -> None:
     engine = _engine(disable_decode_trace=True)
     try:

@@ -19,6 +19,18 @@ steps (prefills, the step that starts a stage, speculative steps) run eagerly. T
 runner still resolves the input ids from the FutureMap before the replay and samples
 and stashes after it: the protocol's reads and writes stay explicit.
 
+Why the traced forward returns its inputs. torch keeps a tensor's Python object alive
+while C++ code holds references to the tensor, and lets it go when the count of those
+references falls back to the Python object's own: at that moment torch takes the GIL
+(PyObject preservation, ``c10::intrusive_ptr``). The replay's inputs are Python tensors,
+and the interpreter drops each one after its last use, mid-graph, without the GIL: so
+each input cost the replay one wait for the GIL (14 per step for the default model,
+measured), and whenever the scheduler thread was running Python the forward stalled
+until it stopped. The overlap loop then gained almost nothing on the CPU: the host's
+work and the forward took turns. Returned as outputs, the inputs stay referenced until
+the call has retaken the GIL on its way out, and the replay runs without it from end
+to end.
+
 A trace records one path through Python: branches taken on sizes (``RMSNorm``'s
 small-input branch) or dtypes are fixed at the traced step. The model's branches
 compute the same function, so a replay at another size is the eager step's arithmetic
@@ -69,10 +81,12 @@ class _StagedForward(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, *staged: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, ...]:
+        """The final-norm hidden states, followed by every input, unchanged: returning
+        the inputs keeps the replay from needing the GIL (see the module docstring)."""
         attention = _StagedAttention(StagedDecode.from_tensors(staged, self.num_layers))
         hidden, _ = self.decoder(input_ids, positions, attention)
-        return hidden
+        return (hidden, input_ids, positions, *staged)
 
 
 class DecodeTrace:
@@ -103,7 +117,7 @@ class DecodeTrace:
             self._traced = self._record(inputs)
             if self._traced is None:
                 return None
-        hidden: torch.Tensor = self._traced(*inputs)
+        hidden: torch.Tensor = self._traced(*inputs)[0]
         self.replays += 1
         return hidden
 
