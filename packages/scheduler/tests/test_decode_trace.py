@@ -7,6 +7,7 @@ the spec-eagle tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -60,19 +61,27 @@ def test_traced_tokens_equal_eager_tokens(overlap: bool) -> None:
     assert 250 < trace.replays < sum(MAX_NEW)
 
 
-def test_the_trace_shares_the_models_weights() -> None:
+@pytest.fixture
+def recorded() -> Iterator[tuple[Engine, DecodeTrace]]:
+    """An engine whose decode trace a short generate has recorded."""
     engine = _engine()
     try:
         engine.generate(input_ids=INPUTS[:2], sampling_params={"max_new_tokens": 4})
         trace = engine.scheduler.runner.decode_trace
         assert trace is not None
         assert trace._traced is not None
-        model_storage = {p.data_ptr() for p in engine.scheduler.runner.model.parameters()}
-        traced = [p.data_ptr() for p in trace._traced.parameters()]
-        assert traced
-        assert all(ptr in model_storage for ptr in traced)
+        yield engine, trace
     finally:
         engine.shutdown()
+
+
+def test_the_trace_shares_the_models_weights(recorded: tuple[Engine, DecodeTrace]) -> None:
+    engine, trace = recorded
+    assert trace._traced is not None
+    model_storage = {p.data_ptr() for p in engine.scheduler.runner.model.parameters()}
+    traced = [p.data_ptr() for p in trace._traced.parameters()]
+    assert traced
+    assert all(ptr in model_storage for ptr in traced)
 
 
 class _Spy:
@@ -88,27 +97,20 @@ class _Spy:
         return outputs
 
 
-def test_the_replay_hands_back_its_inputs() -> None:
+def test_the_replay_hands_back_its_inputs(recorded: tuple[Engine, DecodeTrace]) -> None:
     """The traced forward returns the very tensors it was given after the hidden
     states, so it holds them until the call has retaken the GIL: an input dropped
     mid-replay would make torch take the GIL there (see ``decode_trace``)."""
-    engine = _engine()
-    try:
-        engine.generate(input_ids=INPUTS[:2], sampling_params={"max_new_tokens": 4})
-        trace = engine.scheduler.runner.decode_trace
-        assert trace is not None
-        assert trace._traced is not None
-        spy = _Spy(trace._traced)
-        trace._traced = spy  # type: ignore[assignment]
-        engine.generate(input_ids=INPUTS[:3], sampling_params={"max_new_tokens": 8})
-        assert spy.calls
-        for inputs, outputs in spy.calls:
-            hidden, *returned = outputs
-            assert hidden.shape[0] == inputs[0].shape[0]
-            assert len(returned) == len(inputs)
-            assert all(out is given for out, given in zip(returned, inputs, strict=True))
-    finally:
-        engine.shutdown()
+    engine, trace = recorded
+    spy = _Spy(trace._traced)
+    trace._traced = spy  # type: ignore[assignment]
+    engine.generate(input_ids=INPUTS[:3], sampling_params={"max_new_tokens": 8})
+    assert spy.calls
+    for inputs, outputs in spy.calls:
+        hidden, *returned = outputs
+        assert hidden.shape[0] == inputs[0].shape[0]
+        assert len(returned) == len(inputs)
+        assert all(out is given for out, given in zip(returned, inputs, strict=True))
 
 
 def test_the_trace_is_off_when_disabled() -> None:
