@@ -199,12 +199,9 @@ class ModelRunner:
             )
 
     def _prepare_eager(
-        self, batch: ScheduledBatch, inputs: StepInputs
+        self, batch: ScheduledBatch, inputs: StepInputs, columns: StepColumns
     ) -> tuple[ForwardBatch, _Sampled]:
-        """Write the batch's table entries and build its ``ForwardBatch`` and sampling
-        indices from its columns."""
-        columns = inputs.on(self.device)
-        self._write_tables(batch, columns)
+        """The batch's ``ForwardBatch`` and sampling indices, from its columns."""
         input_ids = self.future_map.resolve_mixed(
             columns.prefill_tokens, columns.decode_rows(len(batch.decode_rows))
         )
@@ -247,17 +244,15 @@ class ModelRunner:
     def _forward_step(
         self, batch: ScheduledBatch, inputs: StepInputs, sampling: SamplingSpec | None
     ) -> StepResult:
+        columns = inputs.on(self.device)
+        self._write_tables(batch, columns)
         if batch.mode is ForwardMode.SPEC_DECODE:
-            columns = inputs.on(self.device)
-            self._write_tables(batch, columns)
             if self._handoff is not None:
                 self._handoff.release()  # a speculative step is forwards throughout
             return self._spec_step(batch, columns, sampling)
         if self._graph_fits(batch):
-            columns = inputs.on(self.device)
-            self._write_tables(batch, columns)
             return self._graph_step(batch, columns, sampling)
-        fb, sampled = self._prepare_eager(batch, inputs)
+        fb, sampled = self._prepare_eager(batch, inputs, columns)
         self.attention.plan(fb)
         capture = self.spec.capture_layers if self.spec is not None else ()
         hidden, captured = self._forward(fb, capture)
@@ -317,7 +312,7 @@ class ModelRunner:
         """A decode batch through its captured graph: the FutureMap resolves the input
         ids on this stream, the graph replays, the sampling rows' logits are sampled."""
         assert self.graphs is not None
-        input_ids = self.future_map.resolve_tokens(batch.decode_rows)
+        input_ids = self.future_map.resolve_tokens(columns.decode_rows(len(batch.decode_rows)))
         logits = self.graphs.replay(
             input_ids, batch.positions, batch.rows, batch.seq_lens, batch.out_cache_loc
         )
