@@ -123,3 +123,57 @@ def test_the_stage_is_bounded_in_memory() -> None:
     assert not stage_fits(16, 1024, 2, 64, 4)
     assert stage_fits(1, limit // (2 * 4 * 64), 1, 64, 4)
     assert not stage_fits(1, limit // (2 * 4 * 64) + 1, 1, 64, 4)
+
+
+# The radix-cache regression: a repeated prompt is served from the cache but for its
+# last token, so its prefill is one token, planned like a decode step. Admitted on the
+# row a request has just left, at that request's last length plus one, it must not
+# continue the departed request's stage (it did, and read the other request's K/V).
+REPEATED = [(11 * j) % 250 + 3 for j in range(49)]
+SHORTER = [(13 * j + 7) % 250 + 3 for j in range(49 - 16)]  # its last step: length 48
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_one_token_prefill_on_a_departed_rows_stage_starts_a_new_one(overlap: bool) -> None:
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with Engine(
+        device="cpu",
+        dtype="float32",
+        disable_overlap_schedule=not overlap,
+        skip_tokenizer_init=True,
+        disable_progress_bar=True,
+    ) as engine:
+        first = engine.generate(input_ids=REPEATED, sampling_params=greedy)
+        engine.generate(input_ids=SHORTER, sampling_params=greedy)  # row 1, then freed
+        again = engine.generate(input_ids=REPEATED, sampling_params=greedy)
+    assert again["meta_info"]["cached_tokens"] == len(REPEATED) - 1
+    assert again["output_ids"] == first["output_ids"]
+
+
+def test_a_stage_continued_for_another_request_fails_the_check() -> None:
+    """The debug invariant: a stage that no longer matches the paged cache (here, a
+    row whose table points at other slots, as after a new request took the row)."""
+    layers, heads, dim = 2, 2, 4
+    k_cache = [torch.randn(32, heads, dim) for _ in range(layers)]
+    v_cache = [torch.randn(32, heads, dim) for _ in range(layers)]
+
+    class Cache:
+        def k_buffer(self, layer: int) -> torch.Tensor:
+            return k_cache[layer]
+
+        def v_buffer(self, layer: int) -> torch.Tensor:
+            return v_cache[layer]
+
+    table = torch.zeros(4, 16, dtype=torch.int32)
+    table[1, :5] = torch.tensor([3, 4, 5, 6, 7])
+    table[2, :3] = torch.tensor([10, 11, 12])
+    stage = DecodeStage(rows=[1, 2], seq_lens=[5, 3], capacity=64)
+    for layer in range(layers):
+        slots = table[[1, 2], :5].long()
+        gathered = (k_cache[layer][slots], v_cache[layer][slots])
+        stage.start(layer, gathered)
+    stage.advance([1, 2], [6, 4], num_kv_heads=heads, device=torch.device("cpu"))
+    stage.check(Cache(), table)  # consistent: the stage is the cache
+    table[2, 1] = 20  # row 2 now maps position 1 to another request's slot
+    with pytest.raises(RuntimeError, match=r"row 2 \(seq_len 4\).*position 1;"):
+        stage.check(Cache(), table)

@@ -133,6 +133,7 @@ class Engine:
     # -- construction ---------------------------------------------------------------------------
     def _build_scheduler(self) -> Scheduler:
         cfg, mc = self.config, self.model_config
+        debug = read_env().debug_futures  # the debug invariants, all or none
         model = load_model(
             None if cfg.load_format == "dummy" else self.model_path,
             mc,
@@ -154,7 +155,7 @@ class Engine:
         )  # fmt: skip
         backend = cfg.attention_backend or default_backend(self.device)
         attention = create_attention_backend(
-            backend, kv_pool, req_pool.req_to_token, self.device, heads
+            backend, kv_pool, req_pool.req_to_token, self.device, heads, debug=debug
         )
         sampler = Sampler(seed=cfg.random_seed)
         future_map = FutureMap(rows, self.device)
@@ -187,7 +188,7 @@ class Engine:
             runner,
             eos_ids=self.eos_ids,
             context_length=self.context_length,
-            strict_accounting=read_env().debug_futures,
+            strict_accounting=debug,
         )
 
     def _decode_graphs(

@@ -120,6 +120,10 @@ class PagedKVPool:
     def available_tokens(self) -> int:
         return len(self._free) * self.page_size
 
+    def free_page_list(self) -> list[int]:
+        """The free pages, in no particular order (for checks)."""
+        return list(self._free)
+
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 

@@ -121,6 +121,10 @@ class RadixCache:
         """Pages held by unlocked nodes: all of them can be evicted."""
         return self._evictable
 
+    def held_pages(self) -> frozenset[int]:
+        """Every page the cache holds (for checks)."""
+        return frozenset(self._pages)
+
     def match_prefix(self, tokens: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
         """The longest cached prefix of ``tokens``, in whole pages.
 

@@ -56,6 +56,8 @@ class ScheduledBatch:
         spec_bounds: speculative decode only: per request, an upper bound of its
             committed length when the step starts.
         spec_steps: speculative decode only: per request, steps it launched before.
+        step: the forward step that launched it (``Counters.forward_steps``), which
+            names it in the page ledger's messages.
     """
 
     mode: ForwardMode
@@ -77,6 +79,7 @@ class ScheduledBatch:
     next_tokens: list[int] = field(default_factory=list)
     spec_bounds: list[int] = field(default_factory=list)
     spec_steps: list[int] = field(default_factory=list)
+    step: int = 0
 
     @property
     def sample_rows(self) -> list[int]:

@@ -43,6 +43,7 @@ from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.model_runner import LaunchedBatch, ModelRunner, SamplingSpec, StepResult
+from tandem.scheduler.page_ledger import PageLedger
 from tandem.scheduler.radix_cache import RadixCache
 from tandem.scheduler.request import FinishReason, Request
 from tandem.scheduler.schedule_batch import PenaltyReset, ScheduledBatch
@@ -108,10 +109,12 @@ class Scheduler:
         self.lookahead = config.speculative_lookahead if self.spec else 1
         self.req_pool: ReqToTokenPool = runner.req_pool
         self.kv_pool: PagedKVPool = runner.kv_pool
+        # Strict accounting also checks every page hand-over as it happens.
+        self.ledger = PageLedger(self.kv_pool.num_pages) if strict_accounting else None
         self.radix = (
             None
             if config.disable_radix_cache
-            else RadixCache(self.kv_pool.page_size, self.kv_pool.free_pages)
+            else RadixCache(self.kv_pool.page_size, self._cache_frees)
         )
         self.eos_ids = frozenset(eos_ids)
         self.context_length = context_length
@@ -199,9 +202,26 @@ class Scheduler:
         for req in batch.reqs:
             req.in_flight += 1
         self.counters.forward_steps += 1
+        batch.step = self.counters.forward_steps
+        if self.ledger is not None:
+            self.ledger.launch(batch.step, self._writes(batch))
         launched = self.runner.launch(batch, sampling, new_period=self._new_period)
         self._new_period = False
         return launched
+
+    def _writes(self, batch: ScheduledBatch) -> list[tuple[Request, set[int]]]:
+        """The KV pages ``batch`` writes, per request (for the page ledger): its new
+        tokens' slots, or a speculative step's lookahead slots."""
+        size = self.kv_pool.page_size
+        if batch.mode is ForwardMode.SPEC_DECODE:
+            slots, counts = batch.table_slots, [self.lookahead] * len(batch.reqs)
+        else:
+            slots, counts = batch.out_cache_loc, batch.extend_lens
+        writes, start = [], 0
+        for req, n in zip(batch.reqs, counts, strict=True):
+            writes.append((req, {slot // size for slot in slots[start : start + n]}))
+            start += n
+        return writes
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -280,6 +300,8 @@ class Scheduler:
             req.prefix_node = match.node
             req.pages = list(match.pages)
             req.shared_pages = len(match.pages)
+            if self.ledger is not None:
+                self.ledger.hold(req, match.pages)
         req.kv_len = cached
         if req.retractions == 0:
             req.cached_tokens = cached
@@ -333,6 +355,8 @@ class Scheduler:
         pages = self._alloc_pages(need)
         if pages is None:
             return False
+        if self.ledger is not None:
+            self.ledger.take(req, pages)
         req.pages.extend(pages)
         return True
 
@@ -520,9 +544,7 @@ class Scheduler:
                 req.stop.finish_text()
                 self._leave(req)
                 updates.append(Update(req, [], True))
-        for req in batch.reqs:
-            req.in_flight -= 1
-            self._maybe_release(req)
+        self._land(batch)
         return updates
 
     def _process_spec(self, batch: ScheduledBatch, result: StepResult) -> list[Update]:
@@ -553,10 +575,16 @@ class Scheduler:
                     update.finished = True
                     break
             updates.append(update)
+        self._land(batch)
+        return updates
+
+    def _land(self, batch: ScheduledBatch) -> None:
+        """``batch`` is processed: its requests' resources may go back."""
+        if self.ledger is not None:
+            self.ledger.land(batch.step, batch.reqs)
         for req in batch.reqs:
             req.in_flight -= 1
             self._maybe_release(req)
-        return updates
 
     def _record_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
@@ -619,21 +647,34 @@ class Scheduler:
         if self.spec:
             # Positions past the processed truth hold rejected or overshoot KV.
             req.kv_len = req.spec_committed
+        ledger = self.ledger
+        whole = 0
         if self.radix is not None:
             # Everything below kv_len was computed: share it with later requests.
             seq = (req.prompt_ids + req.output_ids)[: req.kv_len]
             whole = len(seq) // self.kv_pool.page_size
+            if ledger is not None:
+                ledger.adopt(req, req.pages[:whole])
             self.radix.insert(seq, req.pages[:whole])
-            self.kv_pool.free_pages(req.pages[whole:])
-            if req.prefix_node is not None:
-                self.radix.unlock(req.prefix_node)
-        else:
-            self.kv_pool.free_pages(req.pages)
+        if ledger is not None:
+            ledger.free(req, req.pages[whole:])
+        self.kv_pool.free_pages(req.pages[whole:])
+        if req.prefix_node is not None:
+            assert self.radix is not None
+            if ledger is not None:
+                ledger.unhold(req, req.pages[: req.shared_pages])
+            self.radix.unlock(req.prefix_node)
         req.pages, req.shared_pages, req.prefix_node = [], 0, None
         if req.row is not None:
             self.runner.discard_rows([req.row])
             self.req_pool.free(req.row)
             req.row = None
+
+    def _cache_frees(self, pages: list[int]) -> None:
+        """The radix cache lets go of ``pages`` (evicted, duplicates, reset)."""
+        if self.ledger is not None:
+            self.ledger.cache_frees(pages)
+        self.kv_pool.free_pages(pages)
 
     def check_accounting(self) -> None:
         """Strict accounting (DESIGN §6): when idle, every row is free and every KV
@@ -649,3 +690,6 @@ class Scheduler:
             )
         if self.radix is not None:
             self.radix.check()
+        if self.ledger is not None:
+            cached = self.radix.held_pages() if self.radix is not None else frozenset()
+            self.ledger.check_idle(self.kv_pool.free_page_list(), cached)

@@ -46,13 +46,15 @@ def create_attention_backend(
     req_to_token: torch.Tensor,
     device: torch.device,
     heads: HeadShape,
+    debug: bool = False,
 ) -> AttentionBackend:
     """Build the backend called ``name``; an unknown name, a device the backend does
-    not support or a missing package is a ``ValueError`` naming it."""
+    not support or a missing package is a ``ValueError`` naming it. ``debug`` turns on
+    the backend's debug invariants (the ``torch`` backend's decode-stage check)."""
     if name == "torch":
         from tandem.scheduler.attention.torch_backend import TorchAttention
 
-        return TorchAttention(kv_cache, req_to_token)
+        return TorchAttention(kv_cache, req_to_token, check_stage=debug)
     if name == "triton":
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if device.type != "cuda" and not (device.type == "cpu" and interpreted):

@@ -7,14 +7,25 @@ changes by one key per request. The stage keeps each layer's keys and values of 
 batch as ``[B, Hkv, capacity, D]`` tensors and appends the step's new K/V to them, so
 a step that continues the previous one gathers nothing.
 
-A step *continues* the stage when it decodes the same rows, or some of them (the
-others left the batch), in the same order, each one token longer, within the capacity;
-the rows that left are dropped from the stage. Anything else (a request joined, a
-prefill, a speculative step, a longer sequence than the capacity) starts a new stage
-from one gather. Continuing is safe because a running request's cached K/V never
-change: its slots are written once, when its token is computed, and freed only after
-it leaves the batch. The paged cache is still written every step, so a new stage, the
-radix cache and every other reader see the same K/V.
+A step *continues* the stage when it is a decode step over the same rows, or some of
+them (the others left the batch), in the same order, each one token longer, within the
+capacity; the rows that left are dropped from the stage. Anything else (a request
+joined, a prefill, a speculative step, a longer sequence than the capacity) starts a
+new stage from one gather. Continuing is safe because a running request's cached K/V
+never change: its slots are written once, when its token is computed, and freed only
+after it leaves the batch. The paged cache is still written every step, so a new stage,
+the radix cache and every other reader see the same K/V.
+
+Why only a decode step. The stage knows its requests by row, and a row is reused as
+soon as its request is released. A request's first forward is always a prefill, and
+every forward between two decode steps is planned by the same backend, so the decode
+step after a stage's step holds only requests of that step: a row cannot change hands
+between them. A prefill is not covered by that argument, and a prefill of one token
+looks exactly like a decode step (a repeated prompt served from the radix cache but
+its last token is one): if it lands on the row of a request that just left, at that
+request's length plus one, it would read the departed request's K/V. With debug
+invariants on (``TorchAttention(check_stage=True)``), every continued step first checks
+the stage against the paged cache (``DecodeStage.check``).
 
 The stage costs memory (one more copy of the batch's K/V), so it is used only while
 one layer's stage stays under ``LAYER_MAX_BYTES``: small models, whose steps are
@@ -26,10 +37,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.scheduler.casting import as_dtype
+
+if TYPE_CHECKING:
+    from tandem.scheduler.attention.base import KVCacheView
 
 LAYER_MAX_BYTES = 8 << 20
 """Largest stage of one layer (keys and values), in bytes."""
@@ -92,6 +107,38 @@ class DecodeStage:
             for h in heads
         ]
         self.append = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+
+    def check(self, kv_cache: KVCacheView, req_to_token: torch.Tensor) -> None:
+        """Debug invariant, on a step that continues the stage (after ``advance``):
+        every key the stage holds for a request (positions below its ``seq_len - 1``;
+        the step's own comes next) equals the paged cache's at the slot its row maps.
+        Raises ``RuntimeError`` naming the row and position of the first difference.
+
+        Layer 0's keys suffice: a layer-0 key is a function of its token and position
+        alone, so equal keys at every position mean the same tokens, and with them
+        the same K/V in every layer. That keeps the check at one small gather a step."""
+        staged = [s - 1 for s in self.seq_lens]
+        longest = max(staged, default=0)
+        if longest <= 0 or 0 not in self.keys:
+            return
+        device = req_to_token.device
+        rows = torch.tensor(self.rows, dtype=torch.int64).to(device)
+        slots = req_to_token.index_select(0, rows)[:, :longest].long().reshape(-1)
+        stage = self.keys[0]
+        b, heads, _, dim = stage.shape
+        paged = kv_cache.k_buffer(0).index_select(0, slots).view(b, longest, heads, dim)
+        same = (stage[:, :, :longest].transpose(1, 2) == paged).flatten(2).all(-1)
+        positions = torch.arange(longest, device=device).view(1, longest)
+        held = positions < torch.tensor(staged, dtype=torch.int64).to(device).view(-1, 1)
+        wrong = (held & ~same).nonzero()
+        if wrong.numel():
+            i, pos = (int(x) for x in wrong[0])
+            raise RuntimeError(
+                f"decode stage out of step with the paged cache: row {self.rows[i]} "
+                f"(seq_len {self.seq_lens[i]}) holds another key than the cache at "
+                f"position {pos}; the stage was continued by a step whose request on "
+                "that row is not the one it was staged for"
+            )
 
     def _kept(self, rows: list[int]) -> list[int] | None:
         """The position in the stage of each of ``rows``, or None unless ``rows`` are

@@ -33,7 +33,7 @@ from tandem.scheduler.attention.decode_stage import (
     stage_fits,
 )
 from tandem.scheduler.casting import as_dtype
-from tandem.scheduler.forward_batch import ForwardBatch
+from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
@@ -107,13 +107,20 @@ class TorchAttention(AttentionBackend):
     """SDPA over the paged KV cache (see the module docstring)."""
 
     def __init__(
-        self, kv_cache: KVCacheView, req_to_token: torch.Tensor, decode_stage: bool = True
+        self,
+        kv_cache: KVCacheView,
+        req_to_token: torch.Tensor,
+        decode_stage: bool = True,
+        check_stage: bool = False,
     ) -> None:
         """``decode_stage``: keep a CPU decode batch's K/V across steps (see
-        ``attention.decode_stage``); off, every step gathers them."""
+        ``attention.decode_stage``); off, every step gathers them. ``check_stage``
+        (a debug invariant): every step that continues the stage first checks that the
+        stage still equals the paged cache (``DecodeStage.check``)."""
         self.kv_cache = kv_cache
         self.req_to_token = req_to_token
         self.decode_stage = decode_stage
+        self.check_stage = check_stage
         self._plan: _Plan | None = None
         self._stage: DecodeStage | None = None
         self._staged: StagedDecode | None = None  # planned step continues the stage
@@ -241,8 +248,17 @@ class TorchAttention(AttentionBackend):
             return None
         _, num_kv_heads, head_dim = self.kv_cache.k_buffer(0).shape
         device = batch.input_ids.device
-        if stage is not None and stage.continues(rows, seq_lens):
+        # Only a decode step continues a stage: its requests were all in the step
+        # before it (see ``attention.decode_stage``). A prefill of one token is planned
+        # like a decode step but may be a new request on a row the stage knows.
+        if (
+            stage is not None
+            and batch.mode is ForwardMode.DECODE
+            and stage.continues(rows, seq_lens)
+        ):
             stage.advance(list(rows), seq_lens, num_kv_heads, device)
+            if self.check_stage:
+                stage.check(self.kv_cache, self.req_to_token)
             return stage
         capacity = capacity_for(max_seq)
         itemsize = self.kv_cache.k_buffer(0).element_size()
