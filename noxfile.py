@@ -5,14 +5,20 @@ and an unpinned ``torch`` (asked for directly or by a dependency) would pull a
 multi-GB CUDA build from the registry. Everything after that is installed with a
 constraint file that holds torch where it is.
 
+Installs show pip's output (``silent=False``): a first run downloads for a minute or two.
+
 GPU sessions (``tests-cuda``, ``tests-rocm``) run on machines with their own
 preinstalled torch and no registry access: they reuse the running interpreter and put
-the four packages on ``PYTHONPATH`` instead of installing them.
+the four packages on ``PYTHONPATH`` instead of installing them. Each is a matrix over
+the attention backends of its platform (``nox -s "tests-cuda(backend='triton')"`` runs
+one); the backend reaches the tests as ``TANDEM_TEST_ATTENTION_BACKEND``, which only the
+root ``conftest.py`` reads.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -28,6 +34,7 @@ PACKAGE_DIRS = tuple(f"packages/{name}" for name in PACKAGES)
 # official openai client (over httpx) is the reference client of the server.
 TEST_DEPS = (
     "pytest>=8",
+    "pytest-xdist>=3.5",
     "hypothesis>=6.100",
     "hatchling>=1.21",
     "transformers>=4.56",
@@ -37,6 +44,17 @@ TEST_DEPS = (
     "triton==3.6.0",
 )
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
+# What `nox -s serve` runs, and so what `nox -s smoke` checks.
+SERVE = ("tandem", "serve", "--device", "cpu")
+# The attention backends each GPU platform has (FlashInfer has no ROCm build).
+CUDA_BACKENDS = ("triton", "flashinfer", "torch")
+ROCM_BACKENDS = ("triton", "torch")
+# The package each backend needs in the GPU machine's interpreter, and how to get it.
+BACKEND_NEEDS = {
+    "triton": ("triton", "the CUDA or ROCm build of torch brings it"),
+    "flashinfer": ("flashinfer", "pip install flashinfer-python, or tandem-scheduler[cuda]"),
+}
+TEST_BACKEND_ENV = "TANDEM_TEST_ATTENTION_BACKEND"
 
 
 def _constraints(session: nox.Session) -> str:
@@ -45,14 +63,30 @@ def _constraints(session: nox.Session) -> str:
     return str(path)
 
 
+def _install(session: nox.Session, *args: str) -> None:
+    """``pip install`` with pip's output shown (nox silences it by default)."""
+    session.install(*args, silent=False)
+
+
 def _install_cpu_stack(session: nox.Session, *extra: str) -> None:
     """torch first (the CPU wheel), then the four layers (editable) under a constraint."""
-    session.install(TORCH_CPU)
+    _install(session, TORCH_CPU)
     editable = [arg for pkg in PACKAGE_DIRS for arg in ("-e", pkg)]
-    session.install("-c", _constraints(session), *editable, *extra)
+    _install(session, "-c", _constraints(session), *editable, *extra)
 
 
-def _gpu_tests(session: nox.Session, *, want_hip: bool) -> None:
+def _fresh_home(session: nox.Session) -> dict[str, str]:
+    """An empty cache and home under the session's tmp folder: the embedded default
+    model is built anew, as on a user's first run, and nothing of this machine's home
+    is read."""
+    tmp = Path(session.create_tmp()).absolute()
+    for name in ("cache", "home"):
+        shutil.rmtree(tmp / name, ignore_errors=True)
+        (tmp / name).mkdir()
+    return {"TANDEM_CACHE_DIR": str(tmp / "cache"), "HOME": str(tmp / "home")}
+
+
+def _gpu_tests(session: nox.Session, *, want_hip: bool, backend: str) -> None:
     probe = (
         "import sys, torch; ok = torch.cuda.is_available() and "
         f"(torch.version.hip is not None) == {want_hip}; sys.exit(0 if ok else 1)"
@@ -62,6 +96,13 @@ def _gpu_tests(session: nox.Session, *, want_hip: bool) -> None:
         session.run("python", "-c", probe, silent=True)
     except nox.command.CommandFailed:
         session.error(f"no {kind} device visible to this interpreter's torch")
+    if backend in BACKEND_NEEDS:
+        module, how = BACKEND_NEEDS[backend]
+        find = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+        try:
+            session.run("python", "-c", find, silent=True)
+        except nox.command.CommandFailed:
+            session.error(f"the {backend} attention backend needs {module!r}, not here ({how})")
     # The layers' metadata (entry points such as the speculative algorithms, the
     # ``tandem`` command) installed into a folder of this session, without build
     # isolation or the registry: the machine's own interpreter stays untouched.
@@ -77,6 +118,7 @@ def _gpu_tests(session: nox.Session, *, want_hip: bool) -> None:
         paths.append(os.environ["PYTHONPATH"])
     env = {
         **DEBUG_ENV,
+        TEST_BACKEND_ENV: backend,
         "PYTHONPATH": os.pathsep.join(paths),
         "PATH": os.pathsep.join([str(layers / "bin"), os.environ.get("PATH", "")]),
     }
@@ -85,28 +127,75 @@ def _gpu_tests(session: nox.Session, *, want_hip: bool) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """CPU test suite of all four packages, debug invariants on (the default session)."""
+    """CPU test suite of all four packages, debug invariants on (the default session).
+
+    One pytest-xdist worker per core (``-n auto``); ``nox -s tests -- -n 0`` runs it in
+    one process.
+    """
     _install_cpu_stack(session, *TEST_DEPS)
-    session.run("pytest", *session.posargs, env=DEBUG_ENV)
+    session.run("pytest", "-n", "auto", *session.posargs, env=DEBUG_ENV)
 
 
 @nox.session(name="tests-cuda", python=False)
-def tests_cuda(session: nox.Session) -> None:
-    """The suite plus CUDA-marked tests, on a CUDA machine's preinstalled torch."""
-    _gpu_tests(session, want_hip=False)
+@nox.parametrize("backend", CUDA_BACKENDS)
+def tests_cuda(session: nox.Session, backend: str) -> None:
+    """Suite plus CUDA-marked tests on the machine's torch, GPU engines on the backend named."""
+    _gpu_tests(session, want_hip=False, backend=backend)
 
 
 @nox.session(name="tests-rocm", python=False)
-def tests_rocm(session: nox.Session) -> None:
-    """The suite plus ROCm-marked tests, on a ROCm machine's preinstalled torch."""
-    _gpu_tests(session, want_hip=True)
+@nox.parametrize("backend", ROCM_BACKENDS)
+def tests_rocm(session: nox.Session, backend: str) -> None:
+    """Suite plus ROCm-marked tests on the machine's torch, GPU engines on the backend named."""
+    _gpu_tests(session, want_hip=True, backend=backend)
+
+
+@nox.session
+def layers(session: nox.Session) -> None:
+    """Each layer alone, installed bottom-up without extras: imports and commands, warnings fail.
+
+    One environment, torch pinned first; then each layer in turn (as a built wheel, not
+    editable), and after each, ``tools/smoke.py layer``: the layer's declared
+    dependencies cover every import in its source, every module imports with
+    ``-W error``, and its commands run with warnings as errors.
+    """
+    _install(session, TORCH_CPU)
+    constraints = _constraints(session)
+    env = {**DEBUG_ENV, **_fresh_home(session)}
+    for name, folder in zip(PACKAGES, PACKAGE_DIRS, strict=True):
+        _install(session, "-c", constraints, folder)
+        session.run("python", "-W", "error", "tools/smoke.py", "layer", name, env=env)
+
+
+@nox.session
+def smoke(session: nox.Session) -> None:
+    """The README as a user runs it: `nox -s serve`'s install, then its curl, openai and Python.
+
+    Installs exactly what ``nox -s serve`` installs, and the ``openai`` client into a
+    separate environment (the user's, not the server's). Then ``tools/smoke.py readme``
+    starts the server (``TANDEM_DEBUG_FUTURES=1``, an empty cache and home) on a free
+    port, waits for its ready line, runs README.md's own curl, openai and offline
+    snippets and ``python -m tandem.futuremap``, and stops the server with SIGINT.
+    Fails on a non-zero exit, a traceback or warning in any output, or a server that
+    takes over 10 s to stop.
+    """
+    _install_cpu_stack(session)
+    client = Path(session.create_tmp()).absolute() / "client"
+    session.run("python", "-m", "venv", "--clear", str(client))
+    client_python = str(client / "bin" / "python")
+    session.run(client_python, "-m", "pip", "install", "openai", external=True)
+    env = {**DEBUG_ENV, **_fresh_home(session)}
+    session.run(
+        "python", "tools/smoke.py", "readme", "--client-python", client_python, "--", *SERVE,
+        env=env,
+    )  # fmt: skip
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (lint and format check) over everything; mypy --strict on core-futuremap."""
-    session.install(TORCH_CPU)
-    session.install("-c", _constraints(session), "ruff", "mypy", "-e", PACKAGE_DIRS[0])
+    _install(session, TORCH_CPU)
+    _install(session, "-c", _constraints(session), "ruff", "mypy", "-e", PACKAGE_DIRS[0])
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", "packages/core-futuremap/src/tandem")
@@ -115,7 +204,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site with mkdocs --strict (into build/site)."""
-    session.install("mkdocs-material>=9.5", "mkdocstrings[python]>=0.25", "matplotlib")
+    _install(session, "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25", "matplotlib")
     session.run("mkdocs", "build", "--strict", "--site-dir", "build/site", *session.posargs)
 
 
@@ -135,8 +224,8 @@ def docs_check(session: nox.Session) -> None:
             f"no Chromium at {chromium}: install it (apt-get install chromium) "
             "or set CHROMIUM to the path of a Chromium executable"
         )
-    session.install(
-        "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25", "matplotlib", "playwright"
+    _install(
+        session, "mkdocs-material>=9.5", "mkdocstrings[python]>=0.25", "matplotlib", "playwright"
     )
     session.run("mkdocs", "build", "--strict", "--site-dir", "build/site")
     session.run(
@@ -146,12 +235,12 @@ def docs_check(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The asv benchmark suite in quick mode, against this checkout, then the HTML
-    dashboard (asv publish, into benchmarks/html).
+    """The asv benchmarks in quick mode against this checkout, then their HTML dashboard.
 
-    Results are recorded under the HEAD commit for a stable machine name,
-    ``cpu-<cores>core`` (``TANDEM_ASV_MACHINE`` overrides it), and renamed so that no
-    path of this checkout ends up in them (benchmarks/portable_results.py).
+    The dashboard goes to benchmarks/html (``asv publish``). Results are recorded under
+    the HEAD commit for a stable machine name, ``cpu-<cores>core``
+    (``TANDEM_ASV_MACHINE`` overrides it), and renamed so that no path of this checkout
+    ends up in them (benchmarks/portable_results.py).
     """
     _install_cpu_stack(session, "asv>=0.6", "numpy")
     config = "benchmarks/asv.conf.json"
@@ -171,7 +260,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: generate text offline with the embedded default model (on the CPU)."""
+    """Generate text offline on the CPU with the embedded default model (or args after --)."""
     _install_cpu_stack(session)
     args = session.posargs or ["--prompt", "Once upon a time", "--max-new-tokens", "32"]
     session.run("python", "-m", "tandem.scheduler", "--device", "cpu", *args)
@@ -179,6 +268,6 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def serve(session: nox.Session) -> None:
-    """The main job: serve the embedded default model (or args after --) on :30000."""
+    """The main job: serve the embedded default model (or args after --) on 127.0.0.1:30000."""
     _install_cpu_stack(session)
-    session.run("tandem", "serve", "--device", "cpu", *session.posargs)
+    session.run(*SERVE, *session.posargs)

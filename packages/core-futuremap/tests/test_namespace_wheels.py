@@ -17,7 +17,11 @@ LAYERS = {
     # folder: (distribution, module, sibling layers it must depend on)
     "core-futuremap": ("tandem-core-futuremap", "futuremap", []),
     "scheduler": ("tandem-scheduler", "scheduler", ["tandem-core-futuremap"]),
-    "spec-eagle": ("tandem-spec-eagle", "spec_eagle", ["tandem-scheduler"]),
+    "spec-eagle": (
+        "tandem-spec-eagle",
+        "spec_eagle",
+        ["tandem-core-futuremap", "tandem-scheduler"],
+    ),
     "server": ("tandem-server", "server", ["tandem-scheduler"]),
 }
 

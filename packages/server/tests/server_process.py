@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,10 @@ import httpx
 class LiveServer:
     url: str
     proc: subprocess.Popen[bytes]
+    log: Path  # the server's stderr, replayed to the test's stderr when it stops
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
 
 
 def free_port() -> int:
@@ -33,7 +38,10 @@ def live_server(cache_dir: Path, *extra: str, timeout_s: float = 120.0) -> Itera
     env = {**os.environ, "TANDEM_CACHE_DIR": str(cache_dir), "TANDEM_DEBUG_FUTURES": "1"}
     cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--port", str(port)]
     cmd += ["--device", "cpu", *extra]
-    proc = subprocess.Popen(cmd, env=env)
+    fd, name = tempfile.mkstemp(prefix="tandem-serve-", suffix=".log")
+    log = Path(name)
+    with os.fdopen(fd, "wb") as stderr:
+        proc = subprocess.Popen(cmd, env=env, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     try:
@@ -48,7 +56,7 @@ def live_server(cache_dir: Path, *extra: str, timeout_s: float = 120.0) -> Itera
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        yield LiveServer(url, proc)
+        yield LiveServer(url, proc, log)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -57,6 +65,8 @@ def live_server(cache_dir: Path, *extra: str, timeout_s: float = 120.0) -> Itera
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        sys.stderr.write(log.read_text(errors="replace"))
+        log.unlink()
 
 
 def metric(url: str, name: str) -> float:

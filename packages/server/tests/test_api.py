@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -17,13 +19,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server, metric
 
 from tandem.scheduler.tokenizer import Tokenizer
+from tandem.server.app import served_name
 
 PROMPT = "Once upon a time"
+MODEL = "default"  # the embedded default model's served name
+
+
+READY = re.compile(r"tandem is ready at (http://\S+)")  # what smoke tests wait for
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    with live_server(tmp_path_factory.mktemp("cache")) as live:
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def server(cache: Path) -> Iterator[LiveServer]:
+    with live_server(cache) as live:
         yield live
 
 
@@ -34,16 +46,103 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 def test_models_and_health(server: LiveServer, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert [m.id for m in client.models.list().data] == ["default-model-v1"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def _ready_lines(server: LiveServer) -> list[str]:
+    return [line for line in server.stderr().splitlines() if READY.search(line)]
+
+
+def test_ready_line(server: LiveServer) -> None:
+    lines = _ready_lines(server)
+    assert lines == [f'tandem is ready at {server.url} serving model "{MODEL}" on cpu']
+    match = READY.search(lines[0])
+    assert match is not None
+    assert match.group(1) == server.url
+
+
+def test_served_name_rule() -> None:
+    assert served_name({"model_path": None}, None) == "default"
+    assert served_name({"model_path": "./models/Qwen3-0.6B"}, None) == "./models/Qwen3-0.6B"
+    assert served_name({"model_path": "./models/Qwen3-0.6B"}, "qwen3") == "qwen3"
+    assert served_name({"model_path": None}, "foo") == "foo"
+
+
+def _not_found(model: str) -> dict[str, object]:
+    message = f"The model `{model}` does not exist."
+    return {
+        "message": message,
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        ),
+    ],
+)
+def test_model_names(server: LiveServer, path: str, body: dict[str, object]) -> None:
+    for model in ("default-model-v1", "gpt-4o", ""):
+        response = httpx.post(f"{server.url}{path}", json={**body, "model": model}, timeout=30)
+        assert response.status_code == 404
+        assert response.json() == {"error": _not_found(model)}
+    for named in ({}, {"model": None}, {"model": MODEL}):
+        response = httpx.post(f"{server.url}{path}", json={**body, **named}, timeout=30)
+        assert response.status_code == 200, response.text
+        first = response.text.split("\n", 1)[0].removeprefix("data: ")
+        assert json.loads(first)["model"] == MODEL
+    response = httpx.post(f"{server.url}{path}", json={**body, "model": 7}, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "model"
+
+
+def test_unknown_model_with_the_openai_client(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+    assert info.value.status_code == 404
+    assert info.value.code == "model_not_found"
+    assert info.value.param == "model"
+    assert info.value.body == _not_found("gpt-4o")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            stream=True,
+        )  # fmt: skip
+    assert info.value.code == "model_not_found"
+
+
+def test_served_model_name_flag(cache: Path) -> None:
+    with live_server(cache, "--served-model-name", "foo") as live:
+        # live_server returns as soon as /health answers: the line is out by then
+        assert _ready_lines(live) == [f'tandem is ready at {live.url} serving model "foo" on cpu']
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["foo"]
+        out = client.completions.create(model="foo", prompt=PROMPT, max_tokens=2)
+        assert out.model == "foo"
+        chat = client.chat.completions.create(
+            model="foo", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert chat.model == "foo"
+        with pytest.raises(openai.NotFoundError) as info:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        assert info.value.body == _not_found(MODEL)
 
 
 def test_completion_and_chat(client: openai.OpenAI) -> None:
-    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None
     assert out.usage.completion_tokens == 8
     chat = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6,
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6,
         temperature=0, logprobs=True, top_logprobs=2,
     )  # fmt: skip
     choice = chat.choices[0]
@@ -55,10 +154,10 @@ def test_completion_and_chat(client: openai.OpenAI) -> None:
 
 
 def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
-    full = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, temperature=0)
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     chunks = list(
         client.completions.create(
-            model="m", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
             stream_options={"include_usage": True},
         )
     )  # fmt: skip
@@ -68,17 +167,17 @@ def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 24
     messages = [{"role": "user", "content": "tell me"}]
     chat = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=16, temperature=0
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
     )
     streamed = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=16, temperature=0, stream=True
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
     )
     parts = [c.choices[0].delta.content or "" for c in streamed if c.choices]
     assert "".join(parts) == chat.choices[0].message.content
 
 
 def test_n_and_seeded_sampling(client: openai.OpenAI) -> None:
-    args = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7}
     a = client.completions.create(n=3, **args)
     b = client.completions.create(n=3, **args)
     assert [c.index for c in a.choices] == [0, 1, 2]
@@ -88,16 +187,16 @@ def test_n_and_seeded_sampling(client: openai.OpenAI) -> None:
 
 def test_stop_penalties_and_ignore_eos(client: openai.OpenAI) -> None:
     out = client.completions.create(
-        model="m", prompt=PROMPT, max_tokens=10, temperature=0, frequency_penalty=1.0,
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, frequency_penalty=1.0,
         presence_penalty=0.5, extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert out.usage is not None
     assert out.usage.completion_tokens == 10
-    full = client.completions.create(model="m", prompt=PROMPT, max_tokens=20, temperature=0)
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
     text = full.choices[0].text
     stop = text[3:5]
     cut = client.completions.create(
-        model="m", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop]
+        model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop]
     )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
@@ -129,9 +228,9 @@ def test_bad_json_and_openai_client_error(server: LiveServer, client: openai.Ope
     assert response.status_code == 400
     assert "error" in response.json()
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[], max_tokens=2)
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    body = {"model": "m", "messages": [{"role": "user", "content": [image]}], "max_tokens": 2}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [image]}], "max_tokens": 2}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages"
@@ -169,7 +268,7 @@ def _wait_idle(url: str, timeout_s: float = 20.0) -> None:
 def test_disconnect_frees_resources(server: LiveServer) -> None:
     aborted = metric(server.url, "tandem_aborted_requests_total")
     body = {
-        "model": "m", "prompt": PROMPT, "max_tokens": 1500, "stream": True,
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "stream": True,
         "ignore_eos": True, "temperature": 0,
     }  # fmt: skip
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
@@ -194,7 +293,7 @@ def test_64_concurrent_streams(server: LiveServer) -> None:
 
     async def one(i: int) -> str:
         stream = await client.completions.create(
-            model="m", prompt=f"{PROMPT} {i}", max_tokens=16, temperature=0, stream=True,
+            model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=16, temperature=0, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         finish = None

@@ -18,6 +18,7 @@ from tandem.scheduler.default_model import default_model_path
 from tandem.spec_eagle import write_random_head
 
 PROMPT = "Once upon a time"
+MODEL = "default"  # the embedded default model's served name
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,10 @@ def test_generate_reports_verify_steps(spec_server: LiveServer, tmp_path: Path) 
 def test_openai_stream_and_refused_logprobs(spec_server: LiveServer) -> None:
     client = openai.OpenAI(base_url=f"{spec_server.url}/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=10,
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=10,
         temperature=0.7, seed=3, stream=True,
     )  # fmt: skip
     finish = [c.choices[0].finish_reason for c in stream if c.choices]
     assert finish[-1] in ("length", "stop")
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model="m", prompt=PROMPT, max_tokens=4, logprobs=2)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2)

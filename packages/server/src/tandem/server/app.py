@@ -37,6 +37,7 @@ from tandem.server.parsing import Job, Limits
 from tandem.server.scheduler_client import SchedulerClient
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_SERVED_NAME = "default"  # the embedded default model's served name
 
 
 @dataclass
@@ -48,12 +49,26 @@ class ServerState:
     model_name: str
 
 
+def served_name(engine_kwargs: dict[str, Any], served_model_name: str | None) -> str:
+    """The one model name of the server: ``--served-model-name``, else ``default`` for the
+    embedded default model, else the ``--model-path`` value as given (SGLang's rule)."""
+    return served_model_name or engine_kwargs.get("model_path") or DEFAULT_SERVED_NAME
+
+
+def ready_line(app: FastAPI, url: str) -> str:
+    """The one line ``tandem serve`` prints once it answers requests."""
+    st: ServerState = app.state.tandem
+    device = st.client.info["device"]
+    return f'tandem is ready at {url} serving model "{st.model_name}" on {device}'
+
+
 def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> FastAPI:
     client = SchedulerClient(engine_kwargs)
     holder: dict[str, ServerState] = {}
+    model_name = served_name(engine_kwargs, served_model_name)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(instance: FastAPI) -> AsyncIterator[None]:
         try:
             await client.start()
         except BaseException:
@@ -64,13 +79,9 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
         metrics = Metrics(lambda: client.info)
         client.finished_listeners.append(metrics.on_finished)
-        holder["state"] = ServerState(
-            client,
-            metrics,
-            tokenizer,
-            Limits(int(info["vocab_size"]), int(info["context_length"])),
-            served_model_name or Path(str(info["model_path"])).name,
-        )
+        limits = Limits(int(info["vocab_size"]), int(info["context_length"]))
+        holder["state"] = ServerState(client, metrics, tokenizer, limits, model_name)
+        instance.state.tandem = holder["state"]
         try:
             yield
         finally:
@@ -114,11 +125,12 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
 
     @app.post(
         "/v1/completions",
-        openapi_extra=openapi_schemas.json_body(openapi_schemas.COMPLETION_REQUEST),
+        openapi_extra=openapi_schemas.openai_body(openapi_schemas.COMPLETION_REQUEST, model_name),
     )
     async def completions(request: Request) -> Response:
         st = state()
         body = parsing.ensure_object(await _json(request))
+        _check_model(st, body)
         prompts = _completion_prompts(st, body.get("prompt"))
         if parsing._bool(body, "echo"):
             raise APIError("echo is not supported", param="echo")
@@ -135,11 +147,14 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
 
     @app.post(
         "/v1/chat/completions",
-        openapi_extra=openapi_schemas.json_body(openapi_schemas.CHAT_COMPLETION_REQUEST),
+        openapi_extra=openapi_schemas.openai_body(
+            openapi_schemas.CHAT_COMPLETION_REQUEST, model_name
+        ),
     )
     async def chat_completions(request: Request) -> Response:
         st = state()
         body = parsing.ensure_object(await _json(request))
+        _check_model(st, body)
         ids = _chat_prompt(st, body)
         n = parsing.choices_count(body)
         params = parsing.sampling_from_openai(body)
@@ -168,6 +183,16 @@ async def _json(request: Request) -> Any:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(f"the body is not valid JSON: {exc}") from None
+
+
+def _check_model(st: ServerState, body: dict[str, Any]) -> None:
+    """A request names the served model or none (SGLang accepts a missing ``model``)."""
+    model = parsing._typed(body, "model", str, "a string")
+    if model is not None and model != st.model_name:
+        raise APIError(
+            f"The model `{model}` does not exist.", status=404, param="model",
+            code="model_not_found",
+        )  # fmt: skip
 
 
 def _encode(st: ServerState, text: str, param: str, special: bool = True) -> list[int]:
@@ -285,7 +310,7 @@ async def _respond(
     stream = parsing._bool(body, "stream")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    model = body.get("model") if isinstance(body.get("model"), str) else st.model_name
+    model = st.model_name
     if not stream:
         choices = await collect(st.client, st.metrics, jobs, request)
         completion = sum(len(c.ids) for c in choices)

@@ -389,7 +389,14 @@ def run_transformers(
     row decodes the longest requested length and each request counts its own
     requested tokens."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise SystemExit(
+            "--compare-transformers needs the 'transformers' package: "
+            "pip install 'tandem-server[transformers]'"
+        ) from None
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     pad = model.config.pad_token_id

@@ -8,13 +8,17 @@ option is a server flag the day it lands and the two can never disagree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import re
+import socket
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import uvicorn
 
 from tandem.scheduler import config as engine_config
 from tandem.scheduler.config import EngineConfig
@@ -85,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=30000, help="port to listen on")
     serve.add_argument(
-        "--served-model-name", help="the model name clients see (default: the folder name)"
+        "--served-model-name",
+        help="the model name clients see and send (default: `default` for the embedded "
+        "default model, else the --model-path value)",
     )
     serve.add_argument(
         "--log-level", default="warning", choices=("debug", "info", "warning", "error")
@@ -133,10 +139,27 @@ def _check(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
             parser.error(f"argument --model-path: no config.json in {kwargs['model_path']}")
 
 
-def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import uvicorn
+class ReadyServer(uvicorn.Server):
+    """uvicorn's server, printing ``ready(url)`` to stderr once it listens: the scheduler
+    process is up by then, since uvicorn runs the app's lifespan before it binds."""
 
-    from tandem.server.app import create_app
+    def __init__(self, config: uvicorn.Config, ready: Callable[[str], str]) -> None:
+        super().__init__(config)
+        self.ready = ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            print(self.ready(self.url()), file=sys.stderr, flush=True)
+
+    def url(self) -> str:
+        port = self.servers[0].sockets[0].getsockname()[1]
+        host = self.config.host
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from tandem.server.app import create_app, ready_line
 
     kwargs = engine_kwargs(args)
     _check(parser, kwargs)
@@ -151,8 +174,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         timeout_graceful_shutdown=3,
         access_log=False,
     )
-    server = uvicorn.Server(config)
-    server.run()
+    server = ReadyServer(config, lambda url: ready_line(app, url))
+    # uvicorn shuts down cleanly on Ctrl-C (SIGINT), then raises the signal again in
+    # the caller; a stop the user asked for is not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
     return 0 if server.started else 1
 
 

@@ -3,11 +3,12 @@
 The routes read raw JSON and ``parsing`` validates it (so that a bad field is an
 OpenAI-shaped 400 naming it); these schemas never validate anything at run time. They
 describe what the parser accepts, with its types and ranges, so that clients and
-schema-driven fuzzers (schemathesis) know the API. Fields the parser ignores (``user``,
-``model``'s value) are listed for OpenAI compatibility, and unknown top-level fields are
-allowed because the parser ignores them too. Token ids are bounded by the loaded model's
-vocabulary and prompts by its context length, which the schema cannot know: those are
-checked at run time only.
+schema-driven fuzzers (schemathesis) know the API. ``model`` may be left out (as SGLang
+allows) or name the served model: the OpenAI routes' schemas carry that name. Fields the
+parser ignores (``user``) are listed for OpenAI compatibility, and unknown top-level
+fields are allowed because the parser ignores them too. Token ids are bounded by the
+loaded model's vocabulary and prompts by its context length, which the schema cannot
+know: those are checked at run time only.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 # Sampling fields shared by /v1/completions and /v1/chat/completions (``null`` is "unset").
 _OPENAI_SAMPLING: dict[str, Any] = {
-    "model": {"type": "string", "description": "Echoed back; the server has one model."},
+    "model": _nullable({"type": "string", "description": "The served model's name."}),
     "max_tokens": _nullable({"type": "integer", "minimum": 0}),
     "max_completion_tokens": _nullable(
         {"type": "integer", "minimum": 0, "description": "Takes precedence over max_tokens."}
@@ -214,6 +215,16 @@ def json_body(schema: dict[str, Any]) -> dict[str, Any]:
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {"400": _ERROR, "503": _ERROR},
     }
+
+
+def openai_body(schema: dict[str, Any], model_name: str) -> dict[str, Any]:
+    """``json_body`` of an OpenAI route whose ``model`` must be ``model_name`` when given
+    (any other name is a 404, ``model_not_found``)."""
+    model = {"const": model_name, "description": "The served model; may be left out."}
+    named = {**schema, "properties": {**schema["properties"], "model": _nullable(model)}}
+    extra = json_body(named)
+    extra["responses"]["404"] = _ERROR
+    return extra
 
 
 UNAVAILABLE: dict[str, Any] = {"responses": {"503": _ERROR}}

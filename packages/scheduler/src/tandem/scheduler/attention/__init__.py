@@ -73,6 +73,11 @@ def create_attention_backend(
     if name == "flashinfer":
         if device.type != "cuda" or torch.version.hip is not None:
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {device}")
+        if importlib.util.find_spec("flashinfer") is None:
+            raise ValueError(
+                "attention_backend='flashinfer' needs the 'flashinfer-python' package: "
+                "pip install 'tandem-scheduler[cuda]'"
+            )
         from tandem.scheduler.attention.flashinfer_backend import FlashInferAttention
 
         return FlashInferAttention(kv_cache, req_to_token, device, heads)
