@@ -38,8 +38,6 @@ from server_process import LiveServer, live_server, metric, metric_at_least
 
 from tandem.scheduler.default_model import default_model_path
 
-pytest.importorskip("transformers")
-
 MAX_NEW = 16
 TIE = 1e-4  # a token within this of the best reference logit is an honest greedy pick
 # Chains of lengths MAX_NEW apart (33 -> 49 is the reported case), one of them nested
