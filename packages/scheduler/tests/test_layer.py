@@ -1,5 +1,5 @@
 """The scheduler layer installs on top of core-futuremap in the shared namespace and
-never pulls in the layers above it (DESIGN §1) or GPU-only libraries."""
+never pulls in the layers above it (docs/index.md, "The four layers") or GPU-only libraries."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine's options, typed, with SGLang's names (DESIGN §10).
+"""The engine's options, typed, with SGLang's names (docs/guides/serving.md lists them).
 
 ``Engine(**options)`` and later ``tandem serve --kebab-case`` flags map one to one onto
 ``EngineConfig`` fields. An unknown option is an error naming it (and the closest

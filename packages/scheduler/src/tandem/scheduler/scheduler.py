@@ -1,6 +1,6 @@
 """The scheduler: admission, batch selection, result processing, resource release.
 
-Two loops share every piece (DESIGN §4):
+Two loops share every piece (docs/concepts/overlap-loop.md):
 
 * normal (``overlap=False``): schedule a batch, launch it, wait for its copy-done,
   process its results;
@@ -677,7 +677,7 @@ class Scheduler:
         self.kv_pool.free_pages(pages)
 
     def check_accounting(self) -> None:
-        """Strict accounting (DESIGN §6): when idle, every row is free and every KV
+        """Strict accounting (docs/concepts/memory.md): when idle, every row is free and every KV
         page is either free or held, unlocked, by the radix cache."""
         held_rows = self.req_pool.num_rows - self.req_pool.available
         cached = self.radix.cached_pages if self.radix is not None else 0

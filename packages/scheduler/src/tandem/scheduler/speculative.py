@@ -1,6 +1,7 @@
 """The speculative-decoding interface: what the scheduler knows of a draft/verify worker.
 
-The scheduler never imports an implementation (DESIGN §1). A worker is found by the
+The scheduler never imports an implementation (a layer never imports the layers
+above it: docs/index.md, "The four layers"). A worker is found by the
 ``speculative_algorithm`` name, either registered explicitly
 (``register_speculative_algorithm``) or published by an installed package under the
 ``tandem.speculative_algorithms`` entry-point group (``tandem-spec-eagle`` publishes

@@ -72,7 +72,7 @@ class Choice:
 
 
 class TextStream:
-    """One choice's text, decoded in the API process (DESIGN §9): the scheduler sends
+    """One choice's text, decoded in the API process (docs/guides/serving.md): the scheduler sends
     token ids, and this incremental detokenizer turns them into text that never splits
     a UTF-8 character. Stop strings are cut exactly where the scheduler cut them (the
     same tokenizer over the same ids finds the same match), and a tail that could still

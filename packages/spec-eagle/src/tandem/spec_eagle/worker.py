@@ -1,7 +1,7 @@
 """The overlap-compatible EAGLE worker: draft -> verify -> publish -> draft-extend -> stash.
 
 One ``decode`` call is one speculative step for a batch of rows, all device work on the
-forward stream with fixed shapes (DESIGN §8):
+forward stream with fixed shapes (docs/guides/speculative-decoding.md):
 
 1. **resolve** each row's committed length ``L`` (``new_seq_lens``, published by the
    previous step or the prefill), its root token (``output_tokens``: the previous bonus,

@@ -1,5 +1,6 @@
 """Device runtime: one ``Stream``/``Event`` abstraction over CUDA/HIP and the CPU host
-stream. See DESIGN §5 and the "Device runtime" section of the FutureMap concepts page."""
+stream. See the "Device runtime" section of the FutureMap concepts page
+(docs/concepts/futuremap.md)."""
 
 from __future__ import annotations
 

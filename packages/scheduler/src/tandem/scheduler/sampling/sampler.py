@@ -411,7 +411,7 @@ def _logprobs(
 
 
 def _empty_output(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-    # An idle batch launches nothing (DESIGN §3: empty batches touch nothing).
+    # An idle batch launches nothing (empty batches touch nothing: docs/concepts/futuremap.md).
     ids = torch.empty(0, dtype=torch.int64, device=logits.device)
     if not info.need_logprobs:
         return SampleOutput(ids, None, None)
