@@ -50,7 +50,7 @@ def _batch(
     positions = [p + j for p, e in zip(prefix, extend, strict=True) for j in range(e)]
     return ForwardBatch(
         mode, t([0] * sum(extend)), t(positions), t(rows), t(seq), t(prefix), t(extend),
-        t(locs), seq, list(prefix), list(extend),
+        t(locs), seq, list(extend),
     )  # fmt: skip
 
 
@@ -93,7 +93,7 @@ def _run(
     ]
     q = torch.randn(sum(extend), HEADS, DIM, generator=gen).to(device)
     batch = _batch(kv, pool, prefix, extend, device)
-    slots = pool.req_to_token[batch.req_pool_indices].long()
+    slots = pool.req_to_token[batch.rows].long()
     for i, (p, _e) in enumerate(zip(prefix, extend, strict=True)):
         kv.k_buffer(0)[slots[i, :p]] = keys[i][:p]
         kv.v_buffer(0)[slots[i, :p]] = values[i][:p]

@@ -5,11 +5,10 @@ needs no gather before its logits."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tandem.scheduler.forward_batch import ForwardMode
-from tandem.scheduler.schedule_batch import ScheduledBatch
+from tandem.scheduler.messages import ScheduledBatch
 from tandem.scheduler.step_inputs import StepInputs
 
 WIDTH = 32  # req_to_token's row length
@@ -24,7 +23,7 @@ def _mixed() -> ScheduledBatch:
         prefix_lens=[2, 9, 4],
         extend_lens=[4, 1, 1],
         prefill_tokens=[11, 12, 13, 14],
-        decode_rows=[5, 1],
+        num_decode=2,
         positions=[2, 3, 4, 5, 9, 4],
         out_cache_loc=[40, 41, 42, 43, 70, 20],
         table_rows=[3, 3, 3, 3, 5, 1],
@@ -41,7 +40,7 @@ def _decode() -> ScheduledBatch:
         reqs=[],
         prefix_lens=[7, 3],
         extend_lens=[1, 1],
-        decode_rows=[2, 4],
+        num_decode=2,
         positions=[7, 3],
         out_cache_loc=[50, 51],
         table_rows=[2, 4],
@@ -66,7 +65,7 @@ def test_columns_hold_the_batch_lists() -> None:
     # The decode requests' tokens are the 5th and 6th of the [T] layout.
     assert columns.sample_last.tolist() == [4, 5]
     assert columns.sample_rows.tolist() == [5, 1]
-    assert columns.decode_rows(len(batch.decode_rows)).tolist() == [5, 1]
+    assert columns.decode_rows(batch.num_decode).tolist() == [5, 1]
     assert all(c.dtype == torch.int64 for c in columns)
 
 
@@ -91,13 +90,6 @@ def test_cpu_columns_are_the_host_views() -> None:
     inputs = StepInputs.build(_decode(), WIDTH, pin=False)
     assert inputs.on(torch.device("cpu")) is inputs.host_columns
     assert sum(inputs.sizes) == inputs.host.numel()
-
-
-def test_decode_rows_must_come_last() -> None:
-    batch = _mixed()
-    batch.decode_rows = [1, 5]  # not the batch's last rows in order
-    with pytest.raises(ValueError, match="decode rows must be its last rows"):
-        StepInputs.build(batch, WIDTH, pin=False)
 
 
 def test_an_empty_batch_has_empty_columns() -> None:

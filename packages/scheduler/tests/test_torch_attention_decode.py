@@ -37,7 +37,7 @@ def _setup(
     kv = PagedKVPool(pages, PAGE, KVLayout(LAYERS, num_kv_heads, DIM, dtype), device)
     pool = ReqToTokenPool(len(SEQ_LENS), max(SEQ_LENS), device)
     batch = _batch(kv, pool, [s - 1 for s in SEQ_LENS], [1] * len(SEQ_LENS), device)
-    slots = pool.req_to_token[batch.req_pool_indices].long()
+    slots = pool.req_to_token[batch.rows].long()
     layers = []
     for layer in range(LAYERS):
         kv.k_buffer(layer).fill_(POISON)
@@ -116,7 +116,7 @@ def test_cpu_decode_matches_boolean_mask_path(num_kv_heads: int) -> None:
     backend, batch, layers, q = _setup(num_kv_heads, torch.float32, "cpu")
     backend.plan(batch)
     grouped = _decode(backend, layers, q)
-    kv_slots = backend.req_to_token[batch.req_pool_indices, : max(SEQ_LENS)].long()
+    kv_slots = backend.req_to_token[batch.rows, : max(SEQ_LENS)].long()
     mask = torch.arange(max(SEQ_LENS)) < batch.seq_lens.view(-1, 1)
     backend.plan_masked(kv_slots, mask.unsqueeze(1), batch.out_cache_loc)
     assert not _plan_of(backend).grouped_decode

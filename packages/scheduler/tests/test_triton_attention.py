@@ -190,7 +190,7 @@ def test_masked_tree_matches_torch(device: str, dtype: torch.dtype) -> None:
     batch, prefix, queries, kv_heads, head_dim = 2, 70, 5, 2, 80
     kv, pool = _pools(device, 4, kv_heads, head_dim, dtype)
     fb = _batch(kv, pool, [prefix] * batch, [queries] * batch, device, ForwardMode.SPEC_DECODE)
-    kv_slots = pool.req_to_token[fb.req_pool_indices, : prefix + queries].long()
+    kv_slots = pool.req_to_token[fb.rows, : prefix + queries].long()
     mask = _tree_mask(batch, prefix, queries, torch.Generator().manual_seed(3)).to(device)
     q, k, v = _qkv(batch * queries, kv_heads, head_dim, dtype, device)
     scale = head_dim**-0.5
@@ -218,9 +218,9 @@ def test_decode_plan_reads_only_device_tensors(device: str) -> None:
     backend = TritonAttention(kv, pool.req_to_token, heads)
     assert backend.supports_cuda_graph
     assert not TorchAttention.supports_cuda_graph
-    first.seq_lens_cpu = first.prefix_lens_cpu = first.extend_lens_cpu = [-1, -1]
+    first.seq_lens_cpu = first.extend_lens_cpu = [-1, -1]
     backend.plan(first)
-    for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+    for name in ("rows", "seq_lens", "out_cache_loc"):
         getattr(first, name).copy_(getattr(second, name))
     q, k, v = _qkv(2, 2, 64, torch.float32, device)
     got = backend.forward(0, q, k, v, 0.125)

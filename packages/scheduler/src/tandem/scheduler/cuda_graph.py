@@ -122,7 +122,7 @@ class DecodeGraphRunner:
             mode=ForwardMode.DECODE,
             input_ids=static.ids,
             positions=static.block[_POSITIONS],
-            req_pool_indices=static.block[_ROWS],
+            rows=static.block[_ROWS],
             seq_lens=static.block[_SEQ_LENS],
             # A decode token's position is its prefix length: a view, no kernel to replay.
             prefix_lens=static.block[_POSITIONS],
@@ -131,7 +131,6 @@ class DecodeGraphRunner:
             # Host lists of the capture's own padding: a graph-capable backend's
             # decode plan reads the device tensors only.
             seq_lens_cpu=[1] * bs,
-            prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
         )
         self.attention.plan(batch)

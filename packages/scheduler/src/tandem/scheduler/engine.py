@@ -39,11 +39,12 @@ from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
 from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
+from tandem.scheduler.messages import Update
 from tandem.scheduler.model_runner import ModelRunner
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model, resolve_dtype
 from tandem.scheduler.request import Request
 from tandem.scheduler.sampling import PenaltyState, Sampler, SamplingParams
-from tandem.scheduler.scheduler import Scheduler, Update
+from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.speculative import TargetHandle, create_speculative_worker
 from tandem.scheduler.stop import StopChecker
 from tandem.scheduler.tokenizer import Tokenizer

@@ -37,7 +37,7 @@ class ForwardBatch:
         mode: see ``ForwardMode``.
         input_ids: ``[T]`` int64 token ids of the new tokens (on the device).
         positions: ``[T]`` int64 position of each new token in its sequence.
-        req_pool_indices: ``[B]`` int64 rows of the requests, in batch order.
+        rows: ``[B]`` int64 rows of the requests, in batch order.
         seq_lens: ``[B]`` int64 length of each sequence after this forward
             (``prefix_lens + extend_lens``).
         prefix_lens: ``[B]`` int64 tokens already in the KV cache before this forward.
@@ -46,24 +46,22 @@ class ForwardBatch:
         seq_lens_cpu: ``seq_lens`` as a host list: the truth the scheduler sized the
             batch with; backends plan from the host lists so planning never reads
             the device.
-        prefix_lens_cpu: ``prefix_lens`` as a host list.
         extend_lens_cpu: ``extend_lens`` as a host list.
-        req_pool_indices_cpu: ``req_pool_indices`` as a host list, when the caller has
+        rows_cpu: ``rows`` as a host list, when the caller has
             it (a backend may then recognise a batch of the same rows as the last).
     """
 
     mode: ForwardMode
     input_ids: torch.Tensor
     positions: torch.Tensor
-    req_pool_indices: torch.Tensor
+    rows: torch.Tensor
     seq_lens: torch.Tensor
     prefix_lens: torch.Tensor
     extend_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     seq_lens_cpu: list[int]
-    prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    req_pool_indices_cpu: list[int] | None = None
+    rows_cpu: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -24,72 +24,23 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.futuremap import DeviceStream, Event, FutureMap, Stream, Work
+from tandem.futuremap import DeviceStream, FutureMap, Stream
 from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 from tandem.scheduler.handoff import Handoff, StepDone
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
+from tandem.scheduler.messages import LaunchedBatch, SamplingSpec, ScheduledBatch, StepResult
 from tandem.scheduler.models import CausalLM
 from tandem.scheduler.sampling import (
     PenaltyState,
     SampleOutput,
     Sampler,
-    SamplingBatchInfo,
-    SamplingParams,
 )
-from tandem.scheduler.schedule_batch import ScheduledBatch
 from tandem.scheduler.speculative import PrefillDraftInput, SpecDecodeInput, SpeculativeWorker
 from tandem.scheduler.step_inputs import StepColumns, StepInputs
 from tandem.scheduler.timeline import Timeline
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Host-side sampling inputs of a batch's sampling rows (snapshotted at schedule
-    time); ``SamplingBatchInfo`` is built from it on the forward stream."""
-
-    params: list[SamplingParams]
-    rows: list[int]
-    steps: list[int]
-    return_logprob: list[bool]
-    top_logprobs_num: list[int]
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Sampling is an argmax for every row (see ``SamplingBatchInfo``)."""
-        return SamplingBatchInfo.is_plain_greedy(
-            self.params, self.return_logprob, self.top_logprobs_num
-        )
-
-    def build(self, device: torch.device) -> SamplingBatchInfo:
-        return SamplingBatchInfo.build(
-            self.params,
-            rows=self.rows,
-            steps=self.steps,
-            device=device,
-            return_logprob=self.return_logprob,
-            top_logprobs_num=self.top_logprobs_num,
-        )
-
-
-@dataclass
-class StepResult:
-    """One batch's outputs. The step makes them on the device; what
-    ``LaunchedBatch.wait`` returns are host tensors (on an accelerator, copies made on the
-    copy stream), valid after the batch's copy-done event.
-
-    Indexed like ``ScheduledBatch.sample_indices`` (only requests that sampled). After a
-    speculative step ``next_token_ids`` is ``[B, max_accept]`` and ``accept_lens`` says
-    how many of each row's tokens count."""
-
-    next_token_ids: torch.Tensor
-    accept_lens: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    top_logprob_values: torch.Tensor | None = None
-    top_logprob_ids: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -99,20 +50,6 @@ class _Sampled:
 
     last: torch.Tensor | None
     rows: torch.Tensor
-
-
-@dataclass
-class LaunchedBatch:
-    """A batch in flight: what was scheduled, the work that yields its host results,
-    and the copy-done event the host waits on before reading them."""
-
-    batch: ScheduledBatch
-    work: Work[StepResult]
-    copy_done: Event
-
-    def wait(self) -> StepResult:
-        self.copy_done.synchronize()
-        return self.work.result()
 
 
 class ModelRunner:
@@ -203,21 +140,20 @@ class ModelRunner:
     ) -> tuple[ForwardBatch, _Sampled]:
         """The batch's ``ForwardBatch`` and sampling indices, from its columns."""
         input_ids = self.future_map.resolve_mixed(
-            columns.prefill_tokens, columns.decode_rows(len(batch.decode_rows))
+            columns.prefill_tokens, columns.decode_rows(batch.num_decode)
         )
         fb = ForwardBatch(
             mode=batch.mode,
             input_ids=input_ids,
             positions=columns.positions,
-            req_pool_indices=columns.rows,
+            rows=columns.rows,
             seq_lens=columns.seq_lens,
             prefix_lens=columns.prefix_lens,
             extend_lens=columns.extend_lens,
             out_cache_loc=columns.out_cache_loc,
             seq_lens_cpu=batch.seq_lens,
-            prefix_lens_cpu=list(batch.prefix_lens),
             extend_lens_cpu=list(batch.extend_lens),
-            req_pool_indices_cpu=list(batch.rows),
+            rows_cpu=list(batch.rows),
         )
         last = None if inputs.every_token_samples else columns.sample_last
         return fb, _Sampled(last, columns.sample_rows)
@@ -312,7 +248,7 @@ class ModelRunner:
         """A decode batch through its captured graph: the FutureMap resolves the input
         ids on this stream, the graph replays, the sampling rows' logits are sampled."""
         assert self.graphs is not None
-        input_ids = self.future_map.resolve_tokens(columns.decode_rows(len(batch.decode_rows)))
+        input_ids = self.future_map.resolve_tokens(columns.decode_rows(batch.num_decode))
         logits = self.graphs.replay(
             input_ids, batch.positions, batch.rows, batch.seq_lens, batch.out_cache_loc
         )

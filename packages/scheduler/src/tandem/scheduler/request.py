@@ -6,7 +6,6 @@ only ever sees what a batch built from this state tells it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +73,6 @@ class Request:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finish: FinishReason | None = None
     cached_tokens: int = 0
-    created_at: float = field(default_factory=time.perf_counter)
     # When each output token reached the host (``time.perf_counter``), for requests
     # that asked (``return_token_times``); None otherwise.
     token_times: list[float] | None = None
@@ -99,17 +97,6 @@ class Request:
         """Whether every token to prefill (the prompt, or after a retraction the
         prompt and the outputs so far) has been scheduled."""
         return self.kv_len >= len(self.fill_ids)
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens of the sequence the host knows: prompt plus outputs."""
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def sample_step(self) -> int:
-        """Index of the next token this request samples (keys its seeded randomness):
-        launched steps, so both loops and a retracted request agree."""
-        return self.scheduled_samples
 
     @property
     def finished(self) -> bool:

@@ -35,18 +35,25 @@ import logging
 import time
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
-from tandem.scheduler.model_runner import LaunchedBatch, ModelRunner, SamplingSpec, StepResult
+from tandem.scheduler.messages import (
+    LaunchedBatch,
+    PenaltyReset,
+    SamplingSpec,
+    ScheduledBatch,
+    StepResult,
+    Update,
+)
+from tandem.scheduler.model_runner import ModelRunner
 from tandem.scheduler.page_ledger import PageLedger
 from tandem.scheduler.radix_cache import RadixCache
 from tandem.scheduler.request import FinishReason, Request
-from tandem.scheduler.schedule_batch import PenaltyReset, ScheduledBatch
 from tandem.scheduler.stop import token_stop
 
 log = logging.getLogger(__name__)
@@ -78,15 +85,6 @@ class Counters:
         if not self.spec_verify_steps:
             return 0.0
         return self.spec_committed_tokens / self.spec_verify_steps
-
-
-@dataclass
-class Update:
-    """What one step produced for one request: new ids and whether it finished."""
-
-    req: Request
-    new_ids: list[int] = field(default_factory=list)
-    finished: bool = False
 
 
 class Scheduler:
@@ -363,7 +361,7 @@ class Scheduler:
     def _build_prefill(
         self, chosen: list[tuple[Request, int]], admitted: list[Request]
     ) -> ScheduledBatch:
-        batch = ScheduledBatch(ForwardMode.PREFILL, [], [], [])
+        batch = ScheduledBatch(ForwardMode.PREFILL)
         for req in admitted:
             assert req.row is not None
             outputs = list(req.output_ids)
@@ -415,9 +413,9 @@ class Scheduler:
         if not self._make_room_for_decode():
             return None
         if self.spec:
-            batch = ScheduledBatch(ForwardMode.SPEC_DECODE, [], [], [])
+            batch = ScheduledBatch(ForwardMode.SPEC_DECODE)
             return batch if self._add_spec_rows(batch) else None
-        batch = ScheduledBatch(ForwardMode.DECODE, [], [], [])
+        batch = ScheduledBatch(ForwardMode.DECODE)
         return batch if self._add_decode_rows(batch) else None
 
     def _add_spec_rows(self, batch: ScheduledBatch) -> bool:
@@ -462,7 +460,7 @@ class Scheduler:
             pos = req.kv_len
             slots = self.kv_pool.slots(req.pages, pos, pos + 1)
             batch.sample_indices.append(self._append_entry(batch, req, pos, 1, slots))
-            batch.decode_rows.append(req.row)  # type: ignore[arg-type]
+            batch.num_decode += 1
             batch.positions.append(pos)
             req.kv_len = pos + 1
             req.scheduled_samples += 1

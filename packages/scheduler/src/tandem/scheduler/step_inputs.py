@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from tandem.scheduler.schedule_batch import ScheduledBatch
+from tandem.scheduler.messages import ScheduledBatch
 
 
 class StepColumns(NamedTuple):
@@ -74,9 +74,6 @@ class StepInputs:
         """The batch's columns; ``table_width`` is ``req_to_token``'s row length."""
         ends = list(itertools.accumulate(batch.extend_lens))
         sample_last = [ends[i] - 1 for i in batch.sample_indices]
-        decode = len(batch.decode_rows)
-        if decode and batch.rows[len(batch.rows) - decode :] != batch.decode_rows:
-            raise ValueError("a batch's decode rows must be its last rows, in order")
         columns = (
             [r * table_width + c for r, c in zip(batch.table_rows, batch.table_cols, strict=True)],
             batch.table_slots, batch.prefill_tokens, batch.positions, batch.rows,

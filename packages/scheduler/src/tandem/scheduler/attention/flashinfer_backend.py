@@ -61,7 +61,7 @@ class FlashInferAttention(AttentionBackend):
             if pages_per_req
             else torch.empty(0, dtype=torch.int64)
         )
-        rows = batch.req_pool_indices[flat_rows.to(self.device)]
+        rows = batch.rows[flat_rows.to(self.device)]
         slots = self.req_to_token[rows, flat_pos.to(self.device)]
         indices = (slots // size).int()
         return indptr.to(self.device), indices, last_len.to(self.device)

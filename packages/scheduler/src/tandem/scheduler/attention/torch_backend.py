@@ -129,7 +129,7 @@ class TorchAttention(AttentionBackend):
         """Slot table rows of this batch, cut to the longest sequence: a device gather,
         so it sees the req_to_token writes queued before it on the forward stream."""
         table = self.req_to_token[:, :max_seq]
-        return table.index_select(0, batch.req_pool_indices).long()
+        return table.index_select(0, batch.rows).long()
 
     def plan(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
@@ -243,7 +243,7 @@ class TorchAttention(AttentionBackend):
     ) -> DecodeStage | None:
         """The decode stage of this CPU decode step: ``stage`` advanced when the step
         continues it, a new one when the batch is small enough, else None."""
-        rows, seq_lens = batch.req_pool_indices_cpu, batch.seq_lens_cpu
+        rows, seq_lens = batch.rows_cpu, batch.seq_lens_cpu
         if not self.decode_stage or rows is None:
             return None
         _, num_kv_heads, head_dim = self.kv_cache.k_buffer(0).shape

@@ -95,14 +95,14 @@ class TritonAttention(AttentionBackend):
                 (b, h.num_heads, self.num_kv_splits), dtype=torch.float32, device=device
             )
             self._plan = _DecodePlan(
-                batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens, part_acc, part_lse
+                batch.out_cache_loc, batch.rows, batch.seq_lens, part_acc, part_lse
             )
             return
         # Packed offsets on the device (an exclusive cumsum), not a host-to-device copy.
         qo_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
         self._plan = _ExtendPlan(
             batch.out_cache_loc,
-            batch.req_pool_indices,
+            batch.rows,
             qo_start,
             batch.prefix_lens,
             batch.extend_lens,

@@ -1,0 +1,140 @@
+"""What the scheduler, the model runner and the engine hand each other, step by step.
+
+scheduler -> runner: a ``ScheduledBatch`` and its ``SamplingSpec`` (plain host data);
+runner -> scheduler: a ``LaunchedBatch`` at once, its ``StepResult`` after copy-done;
+scheduler -> engine: one ``Update`` per request that produced something or ended.
+docs/concepts/architecture.md follows one request through them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.futuremap import Event, Work
+from tandem.scheduler.forward_batch import ForwardMode
+from tandem.scheduler.sampling import SamplingBatchInfo, SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.scheduler.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyReset:
+    """A request admitted by this batch: its penalty history starts from these tokens."""
+
+    row: int  # the request's row
+    prompt_ids: list[int]  # its prompt
+    output_ids: list[int]  # its outputs so far (non-empty after a retraction)
+    params: SamplingParams  # its penalties
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One forward, decided on the host from host state alone.
+
+    Per-request columns (``reqs``, ``rows``, ``prefix_lens``, ``extend_lens``) are
+    aligned, prefill requests first; the last ``num_decode`` requests are decode rows.
+    Per-token columns (``positions``, ``out_cache_loc``) follow the same order, each
+    request's ``extend_lens[i]`` tokens contiguous. The scheduler appends to the lists
+    while it builds the batch and never touches them after launch.
+    """
+
+    mode: ForwardMode  # prefill, decode, mixed (decode rows ride along) or spec_decode
+    reqs: list[Request] = field(default_factory=list)  # the requests, in batch order
+    rows: list[int] = field(default_factory=list)  # each request's row, frozen at build
+    prefix_lens: list[int] = field(default_factory=list)  # tokens already in the KV cache
+    extend_lens: list[int] = field(default_factory=list)  # tokens new in this forward
+    num_decode: int = 0  # trailing requests whose one token the FutureMap resolves
+    prefill_tokens: list[int] = field(default_factory=list)  # prefill tokens, concatenated
+    positions: list[int] = field(default_factory=list)  # per new token: its position
+    out_cache_loc: list[int] = field(default_factory=list)  # per new token: its KV slot
+    table_rows: list[int] = field(default_factory=list)  # req_to_token writes: rows ...
+    table_cols: list[int] = field(default_factory=list)  # ... columns (positions) ...
+    table_slots: list[int] = field(default_factory=list)  # ... and the slots written there
+    sample_indices: list[int] = field(default_factory=list)  # batch indices that sample now
+    penalty_resets: list[PenaltyReset] = field(default_factory=list)  # admitted now
+    finishing: list[Request] = field(default_factory=list)  # end here without sampling
+    next_tokens: list[int] = field(default_factory=list)  # spec prefill: token after chunk
+    spec_bounds: list[int] = field(default_factory=list)  # spec decode: committed-length bound
+    spec_steps: list[int] = field(default_factory=list)  # spec decode: steps launched before
+    return_logits: bool = False  # keep the sampled rows' logits (tests, tools)
+    step: int = 0  # the forward step that launched it (names it in the page ledger)
+
+    @property
+    def sample_rows(self) -> list[int]:
+        return [self.rows[i] for i in self.sample_indices]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    @property
+    def sampling_reqs(self) -> list[Request]:
+        return [self.reqs[i] for i in self.sample_indices]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """Host-side sampling inputs of a batch's sampling rows, frozen at schedule time;
+    the runner builds ``SamplingBatchInfo`` from it on the forward stream."""
+
+    params: list[SamplingParams]  # per sampling row
+    rows: list[int]  # their rows
+    steps: list[int]  # index of the token each samples (keys seeded randomness)
+    return_logprob: list[bool]  # whether each wants its token's logprob
+    top_logprobs_num: list[int]  # how many top logprobs each wants
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Sampling is an argmax for every row (see ``SamplingBatchInfo``)."""
+        return SamplingBatchInfo.is_plain_greedy(
+            self.params, self.return_logprob, self.top_logprobs_num
+        )
+
+    def build(self, device: torch.device) -> SamplingBatchInfo:
+        return SamplingBatchInfo.build(
+            self.params,
+            rows=self.rows,
+            steps=self.steps,
+            device=device,
+            return_logprob=self.return_logprob,
+            top_logprobs_num=self.top_logprobs_num,
+        )
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One batch's outputs, indexed like ``ScheduledBatch.sample_indices``. Made on the
+    device; what ``LaunchedBatch.wait`` returns are host tensors, valid after copy-done."""
+
+    next_token_ids: torch.Tensor  # [S] sampled ids; [S, max_accept] after a spec step
+    accept_lens: torch.Tensor | None = None  # spec step: how many of each row's ids count
+    logprobs: torch.Tensor | None = None  # [S] logprob of each sampled id
+    top_logprob_values: torch.Tensor | None = None  # [S, k] top logprobs ...
+    top_logprob_ids: torch.Tensor | None = None  # ... and their ids
+    logits: torch.Tensor | None = None  # [S, V] when the batch asked for them
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedBatch:
+    """A batch in flight; the host reads its result only after its copy-done event."""
+
+    batch: ScheduledBatch  # what was scheduled
+    work: Work[StepResult]  # yields the host-side result
+    copy_done: Event  # set when the result's host copies are complete
+
+    def wait(self) -> StepResult:
+        self.copy_done.synchronize()
+        return self.work.result()
+
+
+@dataclass(slots=True)
+class Update:
+    """What one step produced for one request."""
+
+    req: Request  # the request
+    new_ids: list[int] = field(default_factory=list)  # tokens it received this step
+    finished: bool = False  # whether it ended this step
