@@ -63,6 +63,29 @@ class ScheduledBatch:
     return_logits: bool = False  # keep the sampled rows' logits (tests, tools)
     step: int = 0  # the forward step that launched it (names it in the page ledger)
 
+    def add(
+        self, req: Request, start: int, extend: int, slots: list[int], writes: bool = True
+    ) -> int:
+        """Append ``req`` with ``extend`` new tokens after ``start`` cached ones, mapping
+        positions ``start...`` of its row to ``slots``; ``writes``: the new tokens' K/V
+        goes to those slots (a speculative row's worker plans its own writes). Returns
+        the request's batch index."""
+        assert req.row is not None
+        self.reqs.append(req)
+        self.rows.append(req.row)
+        self.prefix_lens.append(start)
+        self.extend_lens.append(extend)
+        if writes:
+            self.out_cache_loc.extend(slots)
+        self.map(req.row, start, slots)
+        return len(self.reqs) - 1
+
+    def map(self, row: int, start: int, slots: list[int]) -> None:
+        """Point ``row``'s positions ``start...`` at ``slots`` in req_to_token."""
+        self.table_rows.extend([row] * len(slots))
+        self.table_cols.extend(range(start, start + len(slots)))
+        self.table_slots.extend(slots)
+
     @property
     def sample_rows(self) -> list[int]:
         return [self.rows[i] for i in self.sample_indices]
@@ -86,6 +109,24 @@ class SamplingSpec:
     steps: list[int]  # index of the token each samples (keys seeded randomness)
     return_logprob: list[bool]  # whether each wants its token's logprob
     top_logprobs_num: list[int]  # how many top logprobs each wants
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> SamplingSpec | None:
+        """``batch``'s sampling rows, frozen at launch; None when none samples."""
+        reqs = batch.sampling_reqs
+        if not reqs:
+            return None
+        if batch.mode is ForwardMode.SPEC_DECODE:
+            steps = list(batch.spec_steps)
+        else:
+            steps = [r.scheduled_samples - 1 for r in reqs]
+        return cls(
+            params=[r.params for r in reqs],
+            rows=batch.sample_rows,
+            steps=steps,
+            return_logprob=[r.return_logprob for r in reqs],
+            top_logprobs_num=[r.top_logprobs_num for r in reqs],
+        )
 
     @property
     def plain_greedy(self) -> bool:

@@ -6,6 +6,7 @@ only ever sees what a batch built from this state tells it.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,8 @@ class Request:
     stop: StopChecker
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Most tokens it may sample: max_new_tokens, capped by the context (set on add).
+    max_samples: int = 0
     row: int | None = None
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
@@ -101,3 +104,19 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish is not None
+
+
+@dataclass(eq=False)
+class Stages:
+    """Where each admitted or queued request is. A request moves
+    waiting -> prefilling -> running -> retiring, and from retiring back to waiting
+    when it was retracted; it is in at most one list at a time."""
+
+    waiting: deque[Request] = field(default_factory=deque)  # queued, no row yet
+    prefilling: list[Request] = field(default_factory=list)  # prompt not fully scheduled
+    running: list[Request] = field(default_factory=list)  # decoding
+    retiring: list[Request] = field(default_factory=list)  # left, a batch still in flight
+
+    def admitted(self) -> int:
+        """Requests holding a row."""
+        return len(self.prefilling) + len(self.running) + len(self.retiring)
