@@ -180,7 +180,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
         assert got == min(num_pages, evictable) == len(self.freed)
 
     def _alloc(self, count: int, extra: int) -> list[int] | None:
-        """``Scheduler._alloc_pages``: evict ahead (at least ``extra``) when short."""
+        """``Resources.reserve``: evict ahead (at least ``extra``) when short."""
         if count <= 0:
             return []
         short = count - self.pool.available_pages
@@ -192,7 +192,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
         return pages
 
     def _reserve(self, req: Request, end: int, extra: int) -> bool:
-        """``Scheduler._reserve``: pages for every position below ``end``."""
+        """``Resources.reserve``: pages for every position below ``end``."""
         need = self.pool.pages_for(end) - len(req.pages)
         if need <= 0:
             return True
@@ -204,7 +204,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
         return True
 
     def _finish(self, req: Request, length: int) -> None:
-        """``Scheduler._free`` with ``kv_len == length``: the cache gets the whole pages
+        """``Resources.free`` with ``kv_len == length``: the cache gets the whole pages
         of the first ``length`` tokens, the request frees the rest and its lock."""
         assert req.in_flight == 0
         tokens = req.prompt_ids[:length]
@@ -265,7 +265,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.live) < MAX_LIVE)
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
-        """``Scheduler._admit``, then the prefill batch with its first chunk (whose
+        """``Resources.admit``, then the prefill batch with its first chunk (whose
         pages must be there: they were counted as available)."""
         tokens = self._tokens(data)
         chunk = data.draw(st.integers(1, 3 * self.ps), label="chunk")

@@ -50,11 +50,6 @@ class ReqToTokenPool:
             raise RuntimeError(f"row {row} freed twice")
         heapq.heappush(self._free, row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """Device write of ``slots`` at ``[row, start:start + len(slots)]``; call it on
-        the forward stream (a queued forward may still read the table)."""
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(torch.int32)
-
 
 @dataclass(frozen=True)
 class KVLayout:

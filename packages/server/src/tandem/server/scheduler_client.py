@@ -134,11 +134,6 @@ class SchedulerClient:
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def kill_now(self) -> None:
-        """Synchronous last resort (interpreter exit): leave no orphan."""
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-
     # -- requests ------------------------------------------------------------------------------
     async def generate(
         self,

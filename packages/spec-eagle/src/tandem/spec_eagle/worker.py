@@ -96,7 +96,6 @@ class EagleWorker:
             RelayField("hidden_states", (dc.hidden_size,), target.dtype),
         )
         self._target_max_pos = target.model_config.max_position_embeddings - 1
-        self._seed = config.random_seed
 
     # -- the scheduler's questions ------------------------------------------------------------
     def check_request(self, params: SamplingParams, return_logprob: bool) -> None:
