@@ -40,7 +40,7 @@ def _batch(
         pages = kv.alloc_pages(kv.pages_for(p + e))
         assert pages is not None
         slots = kv.slots(pages, 0, p + e)
-        pool.write(row, 0, torch.tensor(slots, device=device))
+        pool.req_to_token[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32, device=device)
         rows.append(row)
         locs.extend(slots[p:])
     t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
