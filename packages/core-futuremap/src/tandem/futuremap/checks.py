@@ -1,20 +1,12 @@
 """The consume-once debug checks, each one fused function.
 
 In debug mode every gather from the FutureMap asserts that what it reads was written
-since the last read, then marks it read, all in one function on the forward stream:
-``torch.compile``'d where that works on the device, eager otherwise. Assertions use
-``torch._assert_async`` so a check never makes the host wait for the device.
-
-Where compiling pays: on an accelerator, fusing the gather, the checks and the
-write-back saves kernel launches, so ``auto`` compiles there. On the CPU the eager ops
-already run back to back on the host stream's thread; measured on torch 2.13, the
-compiled checks were slower (about 120 us against 90 us per call for small batches,
-and a 0/1-specialised graph for one-row batches took milliseconds), and compiling
-costs tens of seconds at start-up, so ``auto`` stays eager on the CPU.
-``TANDEM_COMPILE_CHECKS=on`` compiles on the CPU too (the tests run both paths).
-
-Row 0 is the padding row: padded batch entries read and write it freely, so it is
-exempt from the checks and always holds a harmless value.
+since the last read, then marks it read, in one function on the forward stream
+(``CheckKernels``: ``torch.compile``'d on accelerators where that works, eager on the
+CPU, where the compiled checks measured slower). Assertions use
+``torch._assert_async``, so a check never makes the host wait for the device. Row 0,
+the padding row, is exempt from every check. See docs/concepts/futuremap.md, "The
+consume-once invariant".
 """
 
 from __future__ import annotations
@@ -75,14 +67,16 @@ Kernel = Callable[..., torch.Tensor | None]
 class CheckKernels:
     """The three checks for one device, compiled or eager.
 
-    ``mode="auto"`` compiles on accelerators (not on the CPU, see the module
-    docstring): each check is compiled on first use and probed on scratch data; if
-    compilation fails on this device the eager function is used from then on (a check
-    that *fires* is never mistaken for a failed compilation, because the probe runs on
-    data that passes). ``"on"`` always compiles, ``"off"`` never does.
+    ``mode="auto"`` compiles on accelerators, not on the CPU, where the eager ops
+    already run back to back on the host stream's worker and compiling measured slower
+    (docs/concepts/futuremap.md, "The consume-once invariant"): each check is compiled
+    on first use and probed on scratch data; if compilation fails on this device the
+    eager function is used from then on (a check that *fires* is never mistaken for a
+    failed compilation, because the probe runs on data that passes). ``"on"`` always
+    compiles, ``"off"`` never does.
     """
 
-    # Device types where ``auto`` means eager (see the module docstring).
+    # Device types where ``auto`` means eager (see the class docstring).
     eager_by_default = frozenset({"cpu"})
 
     def __init__(self, device: torch.device, mode: CompileChecks) -> None:

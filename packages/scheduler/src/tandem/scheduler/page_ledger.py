@@ -2,32 +2,11 @@
 
 The KV pool only counts free pages and the radix cache only knows the pages it holds;
 neither can tell that a page is being freed, evicted or written by the wrong party.
-The ledger records one owner state per page, and the scheduler reports every hand-over
-to it, so a violation raises at the moment it happens, naming the page and both
-parties, instead of showing up later as wrong tokens:
-
-* **free**: in the pool's free list;
-* **private** to one request: allocated for it, written only by its batches;
-* **cached**: held by the radix cache, and *held* (read through a locked prefix) by
-  any number of requests.
-
-Separately, a request is **in flight** while a launched batch holding it has not been
-processed. The rules:
-
-* only a free page is handed out; only its owner frees a private page, and not while
-  one of its batches is in flight;
-* the cache frees (evicts, drops a duplicate) only a cached page no request holds;
-* a batch writes only pages private to the request it writes for;
-* a request holds only cached pages, and gives a private page to the cache only when
-  none of its batches is in flight;
-* when the scheduler is idle, every page is free or cached, no request holds any, and
-  the ledger agrees with the pool's free list and the cache's page set.
-
-Requests are keyed by identity, so two requests with the same id stay two parties.
-Each call checks every page before it changes anything, so a refused call leaves the
-ledger as it was.
-The cost is a few dictionary operations per page handed over and per token written;
-on in tests with the other debug invariants (``TANDEM_DEBUG_FUTURES=1``).
+``PageLedger`` records one owner state per page (free, private to one request, or
+cached and held by any number of requests), and the scheduler reports every hand-over
+to it, so a violation raises ``PageOwnershipError`` when it happens, naming the page
+and both parties. On in tests with the other debug invariants
+(``TANDEM_DEBUG_FUTURES=1``). docs/concepts/memory.md, "Page ownership", lists the rules.
 """
 
 from __future__ import annotations
@@ -50,8 +29,12 @@ def _party(owner: Request | str) -> str:
 
 @dataclass
 class PageLedger:
-    """Owner state of every KV page (see the module docstring). Page 0 is padding and
-    never changes hands."""
+    """Owner state of every KV page. Page 0 is padding and never changes hands.
+
+    Requests are keyed by identity, so two requests with the same id stay two parties.
+    Each call checks every page before it changes anything, so a refused call leaves
+    the ledger as it was.
+    """
 
     num_pages: int
     _owner: dict[int, Request | str] = field(default_factory=dict)  # absent: free

@@ -1,32 +1,12 @@
 """Radix prefix cache: KV pages shared across requests whose token sequences share a prefix.
 
-The cache is a radix tree over token ids, kept on the host. Each edge holds a run of whole
-pages: its keys are the pages' token ids (one tuple of ``page_size`` ids per page) and its
-values are the KV pages that hold those tokens' K/V. The unit of sharing is one full page,
-because a KV page is the unit the pool hands out; with ``page_size == 1`` sharing is
-token-level. A partial last page is never cached: the next request would append to it.
-
-Ownership rule (the contract with the scheduler):
-
-- **Once inserted, pages belong to the cache.** ``insert`` consumes every whole page it is
-  given: each one is afterwards either held by the cache (newly adopted, or the very page
-  the cache already held there) or a duplicate that the cache has freed through
-  ``free_pages``. The caller frees none of them, ever.
-- **A request that matched a prefix holds a lock, not the pages.** It uses
-  ``match.pages`` as the first pages of its own page list and calls ``lock(match.node)``
-  at once, before anything can evict; locked pages are never evicted.
-- **At finish** the scheduler calls ``insert(tokens, req.pages)`` with exactly the tokens
-  whose K/V sits in those pages (``kv_len`` tokens: prompt plus output, minus a last
-  sampled token that was never fed forward), then frees itself the pages past the whole
-  ones (the partial last page, any unused reservation), then ``unlock(match.node)``.
-  Like any free, this happens only once no queued forward still reads those pages.
-
-Eviction frees unlocked pages, least recently used leaf first. A lock on a node also
-counts on all its ancestors, so an unlocked node has only unlocked descendants and every
-unlocked page is evictable: a parent becomes a leaf once its children are gone.
-
-Recency is a counter bumped by each ``match_prefix`` and ``insert``, not wall time, so
-eviction order is reproducible.
+``RadixCache`` is a radix tree over token ids, kept on the host, whose edges hold runs
+of whole KV pages (a partial last page is never cached). Ownership rule, the contract
+with the scheduler: pages given to ``insert`` belong to the cache from then on (it
+frees duplicates itself; the caller frees none of them), and a request that matched a
+prefix holds a lock on ``match.node``, not the pages. Eviction frees unlocked pages,
+least recently used leaf first, by a counter rather than wall time, so reproducibly.
+docs/concepts/memory.md, "The radix cache", states the contract in full.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The speculative-decoding interface: what the scheduler knows of a draft/verify worker.
 
-The scheduler never imports an implementation (a layer never imports the layers
-above it: docs/index.md, "The four layers"). A worker is found by the
-``speculative_algorithm`` name, either registered explicitly
-(``register_speculative_algorithm``) or published by an installed package under the
-``tandem.speculative_algorithms`` entry-point group (``tandem-spec-eagle`` publishes
-``EAGLE`` and ``EAGLE3``).
-
-What the scheduler relies on, and nothing more:
-
-* a speculative step commits between 1 and ``max_accept`` tokens per request, and the
-  host learns how many one step late, so it sizes every step from an *upper bound* of
-  the committed length (``SpecDecodeInput.bounds``) while the device reads the truth
-  from the FutureMap's ``new_seq_lens`` (published by the previous step);
-* one step writes KV at positions ``[L, L + lookahead)`` of a request whose committed
-  length is ``L``; the scheduler reserves pages (and maps them in ``req_to_token``) for
-  positions below ``bound + lookahead`` before launching it: KV reserved two steps ahead;
-* after a target prefill that completes a prompt, the worker drafts over it
-  (``extend_after_prefill``) and stashes its relay fields, so the next step can resolve
-  them; the prefill's sampled token is the first bonus token.
+The scheduler never imports an implementation (a layer never imports the layers above
+it). A ``SpeculativeWorker`` is found by the ``speculative_algorithm`` name, either
+registered explicitly (``register_speculative_algorithm``) or published by an
+installed package under the ``tandem.speculative_algorithms`` entry-point group
+(``tandem-spec-eagle`` publishes ``EAGLE`` and ``EAGLE3``). ``SpeculativeWorker``
+states what the scheduler relies on; docs/guides/speculative-decoding.md explains it.
 """
 
 from __future__ import annotations
@@ -115,7 +102,21 @@ class SpecDecodeOutput:
 
 
 class SpeculativeWorker(Protocol):
-    """A draft/verify worker plugged into the scheduler (see the module docstring)."""
+    """A draft/verify worker plugged into the scheduler.
+
+    What the scheduler relies on, and nothing more:
+
+    * a step commits between 1 and ``max_accept`` tokens per request, and the host
+      learns how many one step late: it sizes each step from an upper bound of the
+      committed length (``SpecDecodeInput.bounds``), while the device reads the truth
+      from the FutureMap's ``new_seq_lens``, published by the previous step;
+    * a step writes KV at positions ``[L, L + lookahead)`` of a request whose committed
+      length is ``L``; the scheduler reserves pages (mapped in ``req_to_token``) for the
+      positions below ``bound + lookahead`` before launching it;
+    * after a target prefill that completes a prompt, ``extend_after_prefill`` drafts
+      over it and stashes the relay fields the next step resolves; the prefill's
+      sampled token is the first bonus token.
+    """
 
     relay_fields: tuple[RelayField, ...]
     """Per-row draft state it stashes and resolves through the FutureMap."""

@@ -1,14 +1,11 @@
 """Busy and idle time of the forward stream, the figures that show the overlap working.
 
-``device_busy_s`` sums the time the forward stream spent running forwards.
-``device_idle_s`` sums the gaps between consecutive forwards *within a busy period*
-(requests were running, yet the stream had nothing to do): time the device waited for
-the host. A gap that starts a new busy period (the scheduler was idle) is not idle
-time in that sense and is not counted.
-
-On the CPU the forward runs on the host stream's worker thread, so the worker's own
-clock times it. On an accelerator the stream is timed with timing events, read back
-lazily once the host has waited for the batch anyway (no extra synchronisation).
+``device_busy_s`` sums the time the forward stream spent running forwards;
+``device_idle_s`` sums the gaps between consecutive forwards *within a busy period*:
+time the device waited for the host. On the CPU the host stream's worker times each
+forward with its own clock; on an accelerator, timing events are read back lazily,
+once the host has waited for the batch anyway. See docs/concepts/overlap-loop.md,
+"How busy and idle time are measured".
 """
 
 from __future__ import annotations

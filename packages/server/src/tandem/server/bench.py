@@ -1,17 +1,12 @@
 """``tandem bench``: an offline, in-process benchmark of the engine.
 
 Builds a workload (random, shared-prefix or ShareGPT), submits every request at once to
-an in-process ``Engine`` (greedy, ``ignore_eos``, a fixed ``max_new_tokens`` per request)
-as one batch call, and measures each request's time to first token and inter-token
-latencies from the times its tokens reached the engine's host side
-(``return_token_times``), as offline benchmarks of other engines do. ``--stream``
-instead reads every request as a stream on one asyncio loop in the same process and
-times the chunks' arrivals: latencies as a streaming consumer sees them, with that
-consumer's work competing with the engine's threads for the interpreter.
-``--compare-overlap`` runs the normal and the overlap loop in one process;
-``--compare-transformers`` runs the same workload through Hugging Face
-``transformers``' batched ``generate`` as the peer. Each variant runs ``--repeats``
-times, interleaved, and the run with the median output throughput is reported.
+an in-process ``Engine`` as one batch call (greedy, ``ignore_eos``, a fixed
+``max_new_tokens`` per request), and times each request's tokens as they reach the
+engine's host side (``return_token_times``), or with ``--stream`` as a streaming reader
+sees them. ``--compare-overlap`` and ``--compare-transformers`` add variants; each runs
+``--repeats`` times, interleaved, and the median run by output throughput is reported.
+See docs/guides/benchmarking.md.
 """
 
 from __future__ import annotations

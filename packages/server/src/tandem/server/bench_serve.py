@@ -1,14 +1,11 @@
 """``tandem bench serve``: a load generator against any OpenAI-compatible server.
 
-Builds the workload of ``tandem bench`` (random, shared-prefix or ShareGPT), sends each
-request as a streamed ``/v1/completions`` (or ``--endpoint chat``: ``/v1/chat/completions``)
-call with greedy sampling, a fixed ``max_tokens`` and ``ignore_eos``, at Poisson arrivals
-(``--request-rate``) under an optional ``--max-concurrency`` cap, and reports the figures
-of SGLang's ``bench_serving``: throughput, TTFT, ITL, TPOT and end-to-end latency.
-
-Completions send the prompt as token ids; chat sends it decoded as one user message.
-Token counts come from the server's ``usage`` (``stream_options.include_usage``) when it
-returns one, else from the local tokenizer (prompt) and the streamed chunks (output).
+Builds the workload of ``tandem bench``, sends each request as a streamed
+``/v1/completions`` (or ``--endpoint chat``: ``/v1/chat/completions``) call with greedy
+sampling, a fixed ``max_tokens`` and ``ignore_eos``, at Poisson arrivals
+(``--request-rate``) under an optional ``--max-concurrency`` cap, and reports the
+figures of SGLang's ``bench_serving``: throughput, TTFT, ITL, TPOT and end-to-end
+latency. See docs/guides/benchmarking.md, "Against a server".
 """
 
 from __future__ import annotations

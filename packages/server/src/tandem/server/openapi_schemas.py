@@ -2,13 +2,10 @@
 
 The routes read raw JSON and ``parsing`` validates it (so that a bad field is an
 OpenAI-shaped 400 naming it); these schemas never validate anything at run time. They
-describe what the parser accepts, with its types and ranges, so that clients and
-schema-driven fuzzers (schemathesis) know the API. ``model`` may be left out (as SGLang
-allows) or name the served model: the OpenAI routes' schemas carry that name. Fields the
-parser ignores (``user``) are listed for OpenAI compatibility, and unknown top-level
-fields are allowed because the parser ignores them too. Token ids are bounded by the
-loaded model's vocabulary and prompts by its context length, which the schema cannot
-know: those are checked at run time only.
+describe what the parser accepts, with its types and ranges, for clients and
+schema-driven fuzzers. Bounds that depend on the loaded model (token ids, prompt
+length) are checked at run time only. See docs/guides/serving.md, "The request
+schema".
 """
 
 from __future__ import annotations

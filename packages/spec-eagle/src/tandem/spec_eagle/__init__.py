@@ -4,20 +4,9 @@ layers, EAGLE and EAGLE-3 heads in their public checkpoint formats.
 
 It plugs into the scheduler through its speculative-worker interface
 (``tandem.scheduler.speculative``) under the entry-point names ``EAGLE`` and
-``EAGLE3``; the scheduler never imports this package. Turn it on with Engine options:
-
-```python
-from tandem.scheduler import Engine
-
-engine = Engine(
-    model_path="tools/eagle_pair/target",
-    speculative_algorithm="EAGLE3",
-    speculative_draft_model_path="tools/eagle_pair/eagle3",
-    speculative_num_steps=3,
-    speculative_eagle_topk=1,
-    speculative_num_draft_tokens=4,
-)
-```
+``EAGLE3``; the scheduler never imports this package. Turn it on with the ``Engine``
+options ``speculative_algorithm`` and ``speculative_draft_model_path`` (a head's
+folder); docs/guides/speculative-decoding.md has a quick start.
 """
 
 from tandem.scheduler.speculative import register_speculative_algorithm

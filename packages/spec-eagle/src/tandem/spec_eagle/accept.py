@@ -1,17 +1,11 @@
 """Walking the verified tree: which drafted tokens the target accepts, and the bonus.
 
-Both walks start at the root and descend one depth per round, at most ``max_accept - 1``
-rounds, with fixed shapes and no host reads.
-
-* Greedy rows accept a child whose token is the target's argmax at the current node;
-  the bonus is the argmax where the walk stops. The committed tokens are then exactly
-  what greedy decoding without speculation produces.
-* Sampled rows use rejection sampling against the target distribution ``p`` (after
-  temperature, top-k, top-p, min-p). EAGLE drafts deterministically (top-k), so the
-  draft distribution of a proposed child is a point mass: child ``x`` is accepted with
-  probability ``r(x) / sum(r)``, where ``r`` starts as ``p`` and loses each rejected
-  sibling; when every child is rejected (or the node is a leaf) the bonus is drawn from
-  ``r``. The token committed at each depth is therefore distributed exactly as ``p``.
+Both walks start at the root and descend one depth per round, at most
+``max_accept - 1`` rounds, with fixed shapes and no host reads. ``accept_greedy``
+accepts the child that is the target's argmax, so greedy rows commit exactly what
+greedy decoding without speculation produces; ``accept_sampled`` uses rejection
+sampling against the target distribution, so each committed token is distributed
+exactly as without speculation. See docs/guides/speculative-decoding.md, "Sampling".
 """
 
 from __future__ import annotations
@@ -78,7 +72,12 @@ def accept_sampled(
 ) -> Accepted:
     """``probs`` ``[B, N, V]``: the target distribution at every node; ``uniforms``
     ``[B, (max_accept - 1) * topk + 1]`` float64 in [0, 1) (one per sibling trial, the
-    last for the bonus draw)."""
+    last for the bonus draw).
+
+    EAGLE drafts deterministically, so a proposed child's draft distribution is a point
+    mass: child ``x`` is accepted with probability ``r(x) / sum(r)``, where ``r`` starts
+    as the node's ``p`` and loses each rejected sibling. When every child is rejected,
+    or the node is a leaf, the bonus is drawn from ``r``."""
     b, device = probs.shape[0], probs.device
     cur, alive, count, path = _walk_start(b, max_accept, device)
     residual = probs[:, 0].clone()

@@ -1,14 +1,11 @@
 """A draft head's configuration, read from its ``config.json`` in the public formats.
 
-Two architectures:
-
-* ``LlamaForCausalLMEagle`` (EAGLE-1/2): ``fc`` over ``[token embedding; target final
-  hidden]`` then decoder layers (the first without its input norm), the target's
-  ``lm_head`` on the raw output.
-* ``LlamaForCausalLMEagle3`` (EAGLE-3): ``fc`` over three captured target hidden states
-  (or the draft's own previous output, without ``fc``); a first layer whose attention
-  reads ``[norm(embedding); hidden_norm(hidden)]`` (2 x hidden wide); a final ``norm``;
-  its own ``lm_head`` over a draft vocabulary mapped to the target's through ``d2t``.
+Two architectures (``ARCHITECTURES``): ``LlamaForCausalLMEagle`` (EAGLE-1/2), whose
+``fc`` reads ``[token embedding; target final hidden]`` and whose output goes to the
+target's ``lm_head``, and ``LlamaForCausalLMEagle3`` (EAGLE-3), whose ``fc`` folds
+three captured target hidden states and whose own ``lm_head`` covers a draft
+vocabulary mapped to the target's through ``d2t``. ``DraftConfig`` holds what building
+either needs; docs/guides/speculative-decoding.md, "Draft heads", has the layout.
 """
 
 from __future__ import annotations

@@ -2,15 +2,10 @@
 kept, their parents, depths and the ancestor mask the verify attention uses.
 
 Everything is fixed-shape device work (no host reads), so it runs on the forward
-stream of the overlap loop and, later, inside CUDA graphs.
-
-Numbering. Node 0 is the root: the last committed token (the previous bonus). The
-candidates are numbered from 1 in the order they are drafted: the ``topk`` children of
-the root, then for every later level the ``topk * topk`` children of that level's beam.
-A child's score is its parent's times its draft probability, so it never exceeds its
-parent's; a stable descending sort ranks a parent before its children even on ties, so
-the kept set is closed under "parent of". Kept nodes are renumbered 1..N-1 in candidate
-order, which puts every parent before its children (node ``i`` sits at depth <= ``i``).
+stream of the overlap loop. Node 0 is the root, the last committed token (the previous
+bonus); ``select_tree`` keeps the candidates in drafting order, so every parent comes
+before its children. See docs/guides/speculative-decoding.md, "How a step keeps the
+overlap".
 """
 
 from __future__ import annotations
@@ -50,7 +45,15 @@ class DraftTree:
 
 def select_tree(root: torch.Tensor, cands: Candidates, num_nodes: int, max_depth: int) -> DraftTree:
     """Keep the ``num_nodes - 1`` best candidates under the root ``[B]``; no candidate
-    lies deeper than ``max_depth``."""
+    lies deeper than ``max_depth``.
+
+    Candidates are numbered from 1 in drafting order: the root's ``topk`` children,
+    then each later level's ``topk * topk`` children of that level's beam. A child's
+    score is its parent's times its draft probability, never above its parent's, and
+    the stable descending sort ranks a parent before its children even on ties, so the
+    kept set is closed under "parent of". Kept nodes are renumbered ``1..N-1`` in
+    candidate order: every parent comes before its children (node ``i`` sits at depth
+    ``<= i``)."""
     b, c = cands.scores.shape
     keep = num_nodes - 1
     if keep > c:

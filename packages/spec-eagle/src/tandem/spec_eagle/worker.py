@@ -1,25 +1,12 @@
 """The overlap-compatible EAGLE worker: draft -> verify -> publish -> draft-extend -> stash.
 
-One ``decode`` call is one speculative step for a batch of rows, all device work on the
-forward stream with fixed shapes (docs/guides/speculative-decoding.md):
-
-1. **resolve** each row's committed length ``L`` (``new_seq_lens``, published by the
-   previous step or the prefill), its root token (``output_tokens``: the previous bonus,
-   at position ``L``) and its draft state (relay fields ``topk_p``, ``topk_index``,
-   ``hidden_states``);
-2. **draft** ``num_steps - 1`` draft forwards grow the candidate tree (their KV goes to
-   per-row scratch slots); ``select_tree`` keeps ``num_draft_tokens - 1`` nodes;
-3. **verify** one target forward over the tree, node ``i`` written at position slot
-   ``L + i`` with RoPE position ``L + depth(i)``, masked to its ancestors;
-4. **accept** (greedy or rejection sampling) and **publish** ``L + accepted + 1``;
-5. move the accepted nodes' target KV to positions ``L..L + accepted`` (trees only: a
-   chain's accepted path is already in place);
-6. **draft-extend** one draft forward over the committed tokens (padded to
-   ``max_accept``; padding writes only past the new length, where nothing reads);
-7. **stash** the bonus into ``output_tokens`` and the new draft state.
-
-The host never waits for any of it; it learns the accepted counts from the copy of
-this step's result, one iteration later.
+One ``EagleWorker.decode`` call is one speculative step for a batch of rows: resolve
+each row's committed length, root token and draft state (relay fields) from the
+FutureMap, draft a tree, verify it in one target forward, accept and publish the new
+lengths, move the accepted KV into place (trees only), draft-extend over the committed
+tokens, and stash the bonus and the new draft state. All of it is device work on the
+forward stream with fixed shapes; the host learns the accepted counts one iteration
+later. See docs/guides/speculative-decoding.md, "How a step keeps the overlap".
 """
 
 from __future__ import annotations
@@ -227,7 +214,9 @@ class EagleWorker:
     def _verify(
         self, table: torch.Tensor, seq_lens: torch.Tensor, span: int, tree: DraftTree
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One target forward over the tree: ``[B, N, V]`` logits, ``[B, N, F]`` features."""
+        """One target forward over the tree: ``[B, N, V]`` logits, ``[B, N, F]`` features.
+        Node ``i`` is written at position slot ``L + i`` with RoPE position
+        ``L + depth(i)``, masked to its ancestors."""
         b, n = tree.tokens.shape
         device = table.device
         width = span + n
@@ -323,7 +312,9 @@ class EagleWorker:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft over the committed tokens at positions ``L .. L + max_accept - 1``
         (position ``L + j`` reads token ``L + j + 1`` and the target's features at the
-        accepted node of depth ``j``); returns the new draft state of each row."""
+        accepted node of depth ``j``); returns the new draft state of each row. The
+        committed tokens are padded to ``max_accept``: padding writes only past the new
+        length, where nothing reads."""
         b, g = tokens.shape
         device = table.device
         width = span + g

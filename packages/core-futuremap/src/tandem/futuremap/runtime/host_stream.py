@@ -1,15 +1,11 @@
 """The CPU host stream: one worker thread that runs enqueued callables in order.
 
 torch releases the GIL inside its kernels, so a forward running on the worker overlaps
-with scheduling on the main thread, for real, on a CPU. Events are sequence numbers:
-every submitted item gets the next number, and an event recorded at the tail completes
-when the worker has finished the item with that number.
-
-Failure model: an exception raised by an item becomes the stream's *pending error*.
-Items queued behind it are skipped (they would read what the failed item should have
-written), and the error is re-raised by the host's next wait on the stream
-(``HostStream.synchronize``, ``HostEvent.synchronize``, ``Work.result``).
-It is never lost and never turns into a hang; once raised, the stream runs again.
+with scheduling on the main thread, for real, on a CPU. ``HostEvent``s are sequence
+numbers in the stream. An exception raised by an item becomes the stream's pending
+error: items queued behind it are skipped, and the host's next wait on the stream
+re-raises it as a ``StreamError``, so it is never lost and never turns into a hang.
+See docs/concepts/futuremap.md, "HostStream".
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """The decode stage: a running decode batch's K/V kept contiguous across steps.
 
-The ``torch`` backend attends over K/V gathered from the paged cache, and on the CPU
-that gather (every key of every request, each layer, each step) is a large share of a
-small model's decode step. Yet from one decode step to the next the batch usually
-changes by one key per request. The stage keeps each layer's keys and values of the
-batch as ``[B, Hkv, capacity, D]`` tensors and appends the step's new K/V to them, so
-a step that continues the previous one gathers nothing.
-
-A step *continues* the stage when it is a decode step over the same rows, or some of
-them (the others left the batch), in the same order, each one token longer, within the
-capacity; the rows that left are dropped from the stage. Anything else (a request
-joined, a prefill, a speculative step, a longer sequence than the capacity) starts a
-new stage from one gather. Continuing is safe because a running request's cached K/V
-never change: its slots are written once, when its token is computed, and freed only
-after it leaves the batch. The paged cache is still written every step, so a new stage,
-the radix cache and every other reader see the same K/V.
-
-Why only a decode step. The stage knows its requests by row, and a row is reused as
-soon as its request is released. A request's first forward is always a prefill, and
-every forward between two decode steps is planned by the same backend, so the decode
-step after a stage's step holds only requests of that step: a row cannot change hands
-between them. A prefill is not covered by that argument, and a prefill of one token
-looks exactly like a decode step (a repeated prompt served from the radix cache but
-its last token is one): if it lands on the row of a request that just left, at that
-request's length plus one, it would read the departed request's K/V. With debug
-invariants on (``TorchAttention(check_stage=True)``), every continued step first checks
-the stage against the paged cache (``DecodeStage.check``).
-
-The stage costs memory (one more copy of the batch's K/V), so it is used only while
-one layer's stage stays under ``LAYER_MAX_BYTES``: small models, whose steps are
-counted in calls; a large model's step is dominated by its weights, and the gather
-is a small share of it.
+On the CPU, gathering every key of every request from the paged cache, each layer and
+each step, is a large share of a small model's decode step, though the batch usually
+gains one key per request from one step to the next. ``DecodeStage`` keeps each
+layer's keys and values as ``[B, Hkv, capacity, D]`` tensors and appends each step's
+new K/V, so a step that continues the previous one (a decode step over the same rows)
+gathers nothing; it is used only while a layer's stage stays under ``LAYER_MAX_BYTES``.
+See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
 from __future__ import annotations
@@ -61,7 +37,12 @@ def capacity_for(max_seq_len: int) -> int:
 
 @dataclass
 class DecodeStage:
-    """One decode batch's staged K/V (see the module docstring).
+    """One decode batch's staged K/V.
+
+    Continuing a stage is safe because a running request's K/V never change: each slot
+    is written once, when its token is computed, and freed only after the request
+    leaves the batch. The paged cache is still written every step, so a new stage, the
+    radix cache and every other reader see the same K/V.
 
     ``append`` is the flat index, in a ``[B * Hkv * capacity, D]`` view of a layer's
     stage, of each request's new key per KV head (request-major), or None on the

@@ -1,14 +1,11 @@
 """The ``flashinfer`` attention backend (CUDA only).
 
 This module is imported only when ``attention_backend="flashinfer"`` is chosen, so a
-CPU machine never imports FlashInfer. The KV pool's per-layer buffers
-``[num_pages * page_size, kv_heads, head_dim]`` are viewed as FlashInfer's NHD paged
-layout ``[num_pages, page_size, kv_heads, head_dim]``; page ids per request are
-gathered on the device from the request-to-token table, so planning reads lengths
-from the host only.
-
-Proven on CPU machines only as far as its import boundary; its numerical checks
-against the torch backend are GPU-marked tests.
+CPU machine never imports FlashInfer. ``FlashInferAttention`` views the KV pool's
+per-layer buffers as FlashInfer's NHD paged layout and gathers page ids on the device
+from the request-to-token table, so planning reads lengths from the host only. Its
+numerical checks against the torch backend are GPU-marked tests.
+See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
 from __future__ import annotations

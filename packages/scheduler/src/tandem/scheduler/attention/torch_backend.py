@@ -1,15 +1,12 @@
 """The ``torch`` attention backend: SDPA over gathered pages, any device, exact in fp32.
 
-One batched SDPA call per layer covers every request of the batch: queries are padded
-to ``[B, max_new_tokens]`` and keys gathered to ``[B, max_seq_len]`` through the
-request-to-token table, with a boolean mask for causality and padding. The index
-tensors and the mask are built once per batch in ``plan`` and reused by every layer.
-
-Decode on the CPU takes a faster layout of the same SDPA call (see ``_grouped_decode``)
-and, for small models, keeps the batch's K/V contiguous across steps instead of
-gathering them every step (see ``attention.decode_stage``). A step that continues its
-stage reads tensors only (``StagedDecode``), which is what lets ``decode_trace`` replay
-the whole decode forward as one traced graph.
+``TorchAttention`` makes one batched SDPA call per layer for the whole batch: queries
+padded to ``[B, max_new_tokens]``, keys gathered to ``[B, max_seq_len]`` through the
+request-to-token table, a boolean mask for causality and padding, all planned once per
+batch. CPU decode adds a grouped layout (``_grouped_decode``) and the decode stage
+(``attention.decode_stage``); a step that continues its stage reads tensors only
+(``StagedDecode``), which lets ``decode_trace`` replay it.
+See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
 from __future__ import annotations
@@ -104,7 +101,8 @@ class StagedDecode:
 
 
 class TorchAttention(AttentionBackend):
-    """SDPA over the paged KV cache (see the module docstring)."""
+    """SDPA over the paged KV cache. ``plan`` builds the index tensors and the mask
+    once per batch; every layer's ``forward`` reuses them."""
 
     def __init__(
         self,

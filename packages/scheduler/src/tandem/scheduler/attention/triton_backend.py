@@ -2,14 +2,11 @@
 ROCm (and on a CPU under ``TRITON_INTERPRET=1``, for tests).
 
 The kernels (``triton_kernels``) read K/V in place through the request-to-token table,
-so ``plan`` builds almost nothing: a decode plan keeps references to the batch's
-device tensors (rows, sequence lengths, KV slots) and allocates the split scratch on
-the device, never touching host lengths. That makes a decode forward capturable in a
-CUDA graph: replaying it with new values in the same input buffers attends over the
-new lengths. Extend plans (prefill, mixed) are never captured and size their grid from
-the host lists.
-
-This module imports Triton; the package imports it only when the backend is chosen.
+so ``TritonAttention.plan`` builds almost nothing. A decode plan never touches host
+lengths, which makes a decode forward capturable in a CUDA graph; extend plans
+(prefill, mixed) size their grid from the host lists and are never captured. This
+module imports Triton; the package imports it only when the backend is chosen.
+See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
 from __future__ import annotations
@@ -58,7 +55,13 @@ class _MaskedPlan:
 
 
 class TritonAttention(AttentionBackend):
-    """Triton paged attention (see the module docstring)."""
+    """Triton paged attention.
+
+    A decode plan keeps references to the batch's device tensors (rows, sequence
+    lengths, KV slots) and allocates the split scratch on the device, so replaying a
+    captured decode forward with new values in the same input buffers attends over the
+    new lengths. Extend plans size their grid from the host lists.
+    """
 
     supports_cuda_graph = True
 

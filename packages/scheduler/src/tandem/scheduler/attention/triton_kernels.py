@@ -1,31 +1,12 @@
 """Triton kernels of the ``triton`` attention backend, with their launchers.
 
-Every kernel reads K/V straight from the paged KV pool: a key's KV slot comes from
-the request-to-token table (row, position) or, for masked attention, from an explicit
-``[B, K]`` slot table, so no kernel gathers keys into a dense copy first. Softmax is
-online (running max and sum, rescaled per block of keys) and in fp32 whatever the
-input dtype; exponentials are base 2 with ``log2(e)`` folded into the scale.
-
-* Decode (one query per request) splits each request's keys into ``num_kv_splits``
-  ranges, one program per (request, query head, split), so a small batch with long
-  sequences still fills the device; a reduce kernel then merges the splits' partial
-  results by their log-sum-exp. Each program reads its row and sequence length from
-  device tensors and derives its range from them, and the grid is
-  ``(B, num_heads, num_kv_splits)``: nothing depends on host lengths, which is what
-  lets a decode step be captured in a CUDA graph and replayed with new lengths.
-* Extend (prefill, mixed) runs one program per (request, query head, block of
-  ``BLOCK_M`` queries) over the keys its block may see causally.
-* Masked (speculative trees) runs one program per (request, query head, block of
-  queries) over the request's listed keys, reading each query's mask bits.
-
-Extend and masked multiply blocks with ``tl.dot`` in IEEE precision, so fp32 inputs
-are not rounded to TF32 (bf16/fp16 inputs are unaffected by the setting).
-
-Importing this module imports Triton; ``TRITON_INTERPRET=1`` must be set before the
-import for the kernels to run on a CPU (tests only). Under the interpreter the key loops
-run as ``while`` loops: Triton 3.6's interpreter cannot take a loaded length as a
-``range`` bound with NumPy >= 2.4 (triton-lang/triton#9171), while compiled kernels keep
-``for`` loops, which Triton software-pipelines. Both run the same loop body.
+Every kernel reads K/V in place from the paged KV pool, through the request-to-token
+table or, for masked attention, an explicit ``[B, K]`` slot table, with an online
+softmax in fp32. ``decode_attention`` splits each request's keys into KV splits merged
+by a reduce kernel and reads no host lengths (CUDA-graph capturable);
+``extend_attention`` (prefill, mixed) and ``masked_attention`` (speculative trees) run
+over blocks of queries. Importing this module imports Triton; on a CPU (tests only),
+``TRITON_INTERPRET=1`` must be set first. See docs/guides/adding-an-attention-backend.md.
 """
 
 from __future__ import annotations
@@ -35,8 +16,12 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Fixed when the kernels are decorated, like Triton's own choice of interpreter; a
-# constexpr, the only kind of global a kernel may read.
+# Under the interpreter the key loops run as ``while`` loops: Triton 3.6's interpreter
+# cannot take a loaded length as a ``range`` bound with NumPy >= 2.4
+# (triton-lang/triton#9171). Compiled kernels keep ``for`` loops, which Triton
+# software-pipelines; both run the same loop body. Fixed when the kernels are
+# decorated, like Triton's own choice of interpreter; a constexpr, the only kind of
+# global a kernel may read.
 WHILE_LOOPS = tl.constexpr(bool(triton.knobs.runtime.interpret))
 # Decode: keys per iteration of a split. Extend/masked: the block shapes come from
 # _tile_shape, by head_dim.
@@ -235,7 +220,8 @@ def decode_attention(
 def _online_softmax_step(q, k, v, live, m_i, l_i, acc, qk_scale):
     """Fold one block of keys into the running (max, sum, output) of a block of
     queries. ``live`` ([BLOCK_M, BLOCK_N]) says which query reads which key; a query
-    row with no live key so far keeps a -inf max and contributes nothing."""
+    row with no live key so far keeps a -inf max and contributes nothing. ``tl.dot``
+    runs in IEEE precision, so fp32 inputs are not rounded to TF32."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     s = tl.where(live, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

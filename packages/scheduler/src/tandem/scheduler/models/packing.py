@@ -1,22 +1,12 @@
 """Inference weight layouts: fused projections, and column-major weights on the CPU.
 
-Applied once, after the weights are loaded and placed (``CausalLM.pack``):
-
-- **Fused projections.** q/k/v (and gate/up) read the same input, so they run as one
-  matrix product over their weights stacked along the output dimension, then split:
-  one call instead of three (or two). A small model's decode step is counted in calls;
-  on an accelerator each call is a kernel launch.
-- **Column-major on the CPU.** ``F.linear(x, w)`` multiplies by ``w.t()``; when ``w``
-  is stored column-major, ``w.t()`` is a plain row-major matrix, which the CPU's BLAS
-  multiplies 1.3x to 3.5x faster for decode-sized inputs (16 rows: 28 -> 10 us for a
-  64 x 352 weight, 182 -> 50 us for a 64 x 2304 head) and no slower for prefill-sized
-  ones. Accelerators keep the row-major layout.
-
-The parameters keep their checkpoint names and shapes: each becomes a view into the
-packed storage, so ``state_dict``, ``named_parameters`` and a later ``copy_`` into a
-parameter see the model as before and write through to what the forward reads.
-Packing must come last: moving the model (``.to``) afterwards would copy the
-parameters apart from their packed storage, and the forward would read stale weights.
+Applied once, after the weights are loaded and placed (``CausalLM.pack``): q/k/v (and
+gate/up) run as one ``PackedLinear`` product over their stacked weights, one call
+instead of three (or two), and on the CPU each weight is stored column-major
+(``make_column_major``), which its BLAS multiplies faster for decode-sized inputs.
+Parameters keep their checkpoint names and shapes, as views into the packed storage.
+Packing comes last: moving the model (``.to``) afterwards would separate the
+parameters from what the forward reads. See docs/guides/adding-a-model.md.
 """
 
 from __future__ import annotations
@@ -76,7 +66,8 @@ def pack_linears(linears: Sequence[nn.Linear], column_major: bool) -> PackedLine
 @torch.no_grad()
 def make_column_major(linear: nn.Linear) -> None:
     """Store ``linear``'s weight column-major, in place of its row-major storage (the
-    CPU layout, see the module docstring). Not for a weight shared with another module
+    CPU layout: ``F.linear`` multiplies by ``weight.t()``, which is then a plain
+    row-major matrix for the BLAS). Not for a weight shared with another module
     (a tied head): the embedding reads rows, which this layout spreads apart."""
     weight = linear.weight
     packed = _empty_weight(weight.shape[0], weight.shape[1], weight, column_major=True)

@@ -1,20 +1,12 @@
 """Per-row penalty state on the device: what each request has generated so far.
 
-Frequency and presence penalties (OpenAI semantics) need, per request, how often each
-token has been *generated*; the repetition penalty (Hugging Face semantics) needs
-which tokens appear in the prompt *or* the output. Both live here as dense per-row
-tables indexed by the request's row, like the FutureMap, so a batch gathers its rows
-with one ``index_select`` and the host never reads them.
-
-Memory: nothing is allocated until the first request with a penalty is admitted
-(``reset_row``), so default requests pay nothing. Then the state is fixed-size and
-never grows: ``(num_rows + 1) * vocab_size`` int32 counts plus as many bools, i.e.
-``5 * (num_rows + 1) * vocab_size`` bytes (``nbytes``), e.g. 164 MiB for 256 rows and
-a 128k vocabulary. The memory planner can reserve it up front with ``nbytes_for``.
-
-Every method except the constructor is device work: call it on the forward stream,
-in stream order with the forwards that read the same rows (a new owner's
-``reset_row`` must come after the old owner's last ``record``).
+Frequency and presence penalties (OpenAI semantics) need how often each token has been
+*generated*; the repetition penalty (Hugging Face semantics) needs which tokens appear
+in the prompt *or* the output. ``PenaltyState`` keeps both as dense tables indexed by
+the request's row, like the FutureMap, so a batch gathers its rows with one
+``index_select`` and the host never reads them. Nothing is allocated until the first
+request with a penalty; then the size is fixed (``nbytes_for``). See
+docs/guides/offline-engine.md, "Memory".
 """
 
 from __future__ import annotations
@@ -46,6 +38,10 @@ class PenaltyParams:
 
 class PenaltyState:
     """Generated-token counts and prompt-token masks per row, on the device.
+
+    Every method except the constructor is device work: call it on the forward stream,
+    in stream order with the forwards that read the same rows (a new owner's
+    ``reset_row`` must come after the old owner's last ``record``).
 
     Args:
         num_rows: rows of the request pool; tables get ``num_rows + 1`` rows, row 0 is

@@ -1,21 +1,12 @@
 """Turn one step's logits into next tokens, on the device, without the host waiting.
 
-The overlap loop runs ``Sampler.sample`` on the forward stream while the host builds
-the next batch, so sampling must never read a device value on the host: everything the
-host must decide (which filters run, whether logprobs are wanted, seeded random
-numbers) is decided when ``SamplingBatchInfo`` is built on the schedule side, from
-``SamplingParams`` alone.
-
-How a token is drawn. Each sampled row gets one uniform number ``u`` in [0, 1): a
-request with a seed gets it from ``(seed, step)`` alone, hashed on the host when the
-batch is built; the others get it from the sampler's device generator inside
-``sample``. On the device the token is the inverse CDF of the (filtered)
-probabilities at ``u``, accumulated in float64 in vocabulary order. That is exact
-sampling from the distribution, needs one random number per row instead of ``V``,
-and a row's token depends only on its own logits, parameters and ``u``: never on the
-other rows, the batch order, or which filters *other* rows need
-(filters that a row does not use leave its probabilities bit-for-bit unchanged, and
-the CDF is always taken in vocabulary order, never in sorted order).
+``Sampler.sample`` runs on the forward stream while the host builds the next batch, so
+it never reads a device value on the host: everything the host must decide (which
+filters run, whether logprobs are wanted, seeded random numbers) is decided when
+``SamplingBatchInfo`` is built on the schedule side, from ``SamplingParams`` alone.
+Each sampled row draws its token by inverse CDF over its filtered probabilities, in
+vocabulary order, at one uniform number. docs/guides/offline-engine.md, "How a token
+is chosen", describes every step.
 """
 
 from __future__ import annotations
