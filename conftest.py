@@ -72,15 +72,15 @@ def _gpu_engines_attention_backend() -> Iterator[None]:
     if backend is None:
         yield
         return
-    from tandem.scheduler import engine
+    from tandem.scheduler import wiring
 
-    default = engine.default_backend
+    default = wiring.default_backend
 
     def chosen(device: torch.device) -> str:
         return backend if device.type == "cuda" else default(device)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine, "default_backend", chosen)
+        patch.setattr(wiring, "default_backend", chosen)
         yield
 
 

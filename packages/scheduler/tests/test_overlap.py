@@ -259,7 +259,7 @@ def test_abort_by_caller_rid_ends_a_blocking_generate(checkpoints: dict[str, Pat
         worker = threading.Thread(target=call)
         worker.start()
         deadline = time.monotonic() + 30
-        while "mine" not in engine._waiters:  # queued, so the abort comes after it
+        while "mine" not in engine._loop.waiters:  # queued, so the abort comes after it
             assert time.monotonic() < deadline
             time.sleep(0.001)
         with pytest.raises(ValueError, match="'mine' is already in use"):

@@ -1,8 +1,9 @@
-"""The one typed place where tandem reads its ``TANDEM_*`` environment variables.
+"""The one typed place where tandem reads its environment variables.
 
-Layers never call ``os.environ`` themselves: they ask ``read_env`` (or take the
-value as an argument), so a test can see at a glance which switches exist and what
-they mean.
+Layers never call ``os.environ`` themselves: they take the value as an argument, and
+only a default left unset falls back to ``read_env``, so a test can see at a glance
+which switches exist and what they mean. The engine's switches are ``EngineConfig``
+fields whose defaults come from here.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ def _parse_compile(name: str, raw: str) -> CompileChecks:
 
 @dataclass(frozen=True)
 class TandemEnv:
-    """Switches read from the environment.
+    """Switches read from the environment. The first four are the defaults of the
+    ``EngineConfig`` fields of the same names (``host_stream_max_delay_ms`` there).
 
     Attributes:
-        debug_futures: ``TANDEM_DEBUG_FUTURES``; turns on the FutureMap's consume-once
-            checks (always on in tests and CI).
+        debug_futures: ``TANDEM_DEBUG_FUTURES``; turns on the debug invariants: the
+            FutureMap's consume-once checks and, in an engine, strict accounting, the
+            page ledger and the decode-stage check (always on in tests and CI).
         compile_checks: ``TANDEM_COMPILE_CHECKS`` (``auto``/``on``/``off``); whether the
             debug checks run as one ``torch.compile``'d function. ``auto`` compiles on
             accelerators where it works (eager if compiling fails) and stays eager on
@@ -67,6 +70,11 @@ class TandemEnv:
         cache_dir: ``TANDEM_CACHE_DIR``; where tandem keeps what it builds once and reuses
             (the embedded default model). ``None`` (unset or empty) falls back to the
             user's cache directory (``$XDG_CACHE_HOME``, else ``~/.cache``).
+        xdg_cache_home: ``XDG_CACHE_HOME``, the desktop convention every tool honours
+            (``None`` when unset or empty); the user's cache directory.
+        triton_interpret: ``TRITON_INTERPRET`` is ``1``: Triton's own switch, which
+            runs its kernels in the interpreter (on a CPU too). Triton reads it when it
+            is imported, so it is a fact of the process rather than an engine option.
     """
 
     debug_futures: bool = False
@@ -74,10 +82,13 @@ class TandemEnv:
     host_stream_max_delay_s: float = 0.0
     host_stream_seed: int | None = None
     cache_dir: Path | None = None
+    xdg_cache_home: Path | None = None
+    triton_interpret: bool = False
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
-    """Parse the ``TANDEM_*`` variables of ``environ`` (default: ``os.environ``).
+    """Parse the ``TANDEM_*`` variables (and ``XDG_CACHE_HOME``, ``TRITON_INTERPRET``)
+    of ``environ`` (default: ``os.environ``).
 
     A malformed value is an error naming the variable, never silently ignored.
     """
@@ -90,6 +101,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
         except ValueError:
             raise ValueError(f"TANDEM_HOST_STREAM_SEED={seed_raw!r} is not an integer") from None
     cache_raw = env.get("TANDEM_CACHE_DIR", "").strip()
+    xdg_raw = env.get("XDG_CACHE_HOME", "").strip()
     delay_ms = _parse_float(
         "TANDEM_HOST_STREAM_MAX_DELAY_MS", env.get("TANDEM_HOST_STREAM_MAX_DELAY_MS", "0")
     )
@@ -101,4 +113,6 @@ def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
         host_stream_max_delay_s=delay_ms / 1000.0,
         host_stream_seed=seed,
         cache_dir=Path(cache_raw).expanduser() if cache_raw else None,
+        xdg_cache_home=Path(xdg_raw) if xdg_raw else None,
+        triton_interpret=env.get("TRITON_INTERPRET") == "1",
     )

@@ -16,7 +16,7 @@ from types import MappingProxyType
 import torch
 
 from tandem.futuremap.checks import CheckKernels
-from tandem.futuremap.env import read_env
+from tandem.futuremap.env import CompileChecks, read_env
 from tandem.futuremap.runtime import Event, create_event, current_stream
 from tandem.futuremap.schema import RelayField
 
@@ -32,10 +32,14 @@ class FutureMap:
             row 0 is padding and belongs to nobody).
         device: where the buffers live; the forward stream's device.
         debug: consume-once checks (W R W R per row). ``None`` reads
-            ``TANDEM_DEBUG_FUTURES``. In debug mode buffers start at -1 ("unwritten"),
+            ``TANDEM_DEBUG_FUTURES`` (``read_env``); an engine passes its
+            ``debug_futures`` option. In debug mode buffers start at -1 ("unwritten"),
             every resolve asserts what it reads was stashed since the last resolve and
             marks it read. Without debug there are no checks and no extra work.
         relay_fields: relay fields to declare now (more can be declared later).
+        compile_checks: whether the debug checks are ``torch.compile``'d (``auto``,
+            ``on``, ``off``; see ``CheckKernels``). ``None`` reads
+            ``TANDEM_COMPILE_CHECKS``; an engine passes its ``compile_checks`` option.
     """
 
     def __init__(
@@ -45,14 +49,17 @@ class FutureMap:
         debug: bool | None = None,
         *,
         relay_fields: Iterable[RelayField] = (),
+        compile_checks: CompileChecks | None = None,
     ) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
             raise ValueError(f"num_rows must be a positive int, got {num_rows!r}")
         self.num_rows = num_rows
         self.device = torch.device(device)
-        env = read_env()
-        self.debug = env.debug_futures if debug is None else bool(debug)
-        self._checks = CheckKernels(self.device, env.compile_checks) if self.debug else None
+        self.debug = read_env().debug_futures if debug is None else bool(debug)
+        self._checks = None
+        if self.debug:
+            mode = read_env().compile_checks if compile_checks is None else compile_checks
+            self._checks = CheckKernels(self.device, mode)
         unwritten = -1 if self.debug else 0
         self.output_tokens = torch.full(
             (num_rows + 1,), unwritten, dtype=torch.int64, device=self.device

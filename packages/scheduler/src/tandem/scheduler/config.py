@@ -1,21 +1,32 @@
 """The engine's options, typed, with SGLang's names (docs/guides/serving.md lists them).
 
-``Engine(**options)`` and later ``tandem serve --kebab-case`` flags map one to one onto
+``Engine(**options)`` and ``tandem serve --kebab-case`` flags map one to one onto
 ``EngineConfig`` fields. An unknown option is an error naming it (and the closest
-known names), never silently ignored.
+known names), never silently ignored. The debug switches default to their
+environment variables, read by ``tandem.futuremap.read_env``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from tandem.futuremap.env import CompileChecks, TandemEnv, read_env
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+COMPILE_CHECKS: tuple[str, ...] = typing.get_args(CompileChecks)
+
+
+def _from_env(pick: Callable[[TandemEnv], Any]) -> Any:
+    """A field whose default is read from the environment when a config is built
+    (marked ``from_env`` in its metadata)."""
+    return field(default_factory=lambda: pick(read_env()), metadata={"from_env": True})
 
 
 @dataclass
@@ -77,6 +88,17 @@ class EngineConfig:
         speculative_num_draft_tokens: tokens the target verifies per step (the root
             plus the drafted nodes); default ``num_steps + 1`` for a chain,
             ``num_steps * topk + 1`` for a tree.
+        debug_futures: the debug invariants, all or none: the FutureMap's consume-once
+            checks, strict accounting with the page ledger, and the ``torch``
+            backend's decode-stage check. Default: ``TANDEM_DEBUG_FUTURES``.
+        compile_checks: ``auto``, ``on`` or ``off``: whether the debug checks run as
+            ``torch.compile``'d functions (``auto``: on accelerators only). Default:
+            ``TANDEM_COMPILE_CHECKS``, else ``auto``.
+        host_stream_max_delay_ms: when > 0, the CPU forward stream sleeps a random time
+            up to this many milliseconds before each work item, to shake out ordering
+            bugs. Default: ``TANDEM_HOST_STREAM_MAX_DELAY_MS``, else 0.
+        host_stream_seed: seed of those random delays; ``None`` is unseeded. Default:
+            ``TANDEM_HOST_STREAM_SEED``.
     """
 
     model_path: str | None = None
@@ -108,6 +130,10 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    debug_futures: bool = _from_env(lambda env: env.debug_futures)
+    compile_checks: str = _from_env(lambda env: env.compile_checks)
+    host_stream_max_delay_ms: float = _from_env(lambda env: env.host_stream_max_delay_s * 1000)
+    host_stream_seed: int | None = _from_env(lambda env: env.host_stream_seed)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> EngineConfig:
@@ -150,7 +176,22 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {frac}")
         if not isinstance(self.random_seed, int) or isinstance(self.random_seed, bool):
             raise ValueError(f"random_seed must be an int, got {self.random_seed!r}")
+        self._validate_debug()
         self._validate_speculative()
+
+    def _validate_debug(self) -> None:
+        if not isinstance(self.debug_futures, bool):
+            raise ValueError(f"debug_futures must be a bool, got {self.debug_futures!r}")
+        if self.compile_checks not in COMPILE_CHECKS:
+            raise ValueError(
+                f"compile_checks={self.compile_checks!r} is not one of {', '.join(COMPILE_CHECKS)}"
+            )
+        delay = self.host_stream_max_delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not delay >= 0:
+            raise ValueError(f"host_stream_max_delay_ms must be a number >= 0, got {delay!r}")
+        seed = self.host_stream_seed
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"host_stream_seed must be an int or None, got {seed!r}")
 
     def _validate_speculative(self) -> None:
         """Speculative options only make sense together; fill SGLang's defaults."""

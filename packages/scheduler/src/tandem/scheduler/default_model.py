@@ -83,15 +83,14 @@ to the cat and the dog, who listened to every word he said.
 def cache_root(cache_dir: Path | None = None, environ: Mapping[str, str] | None = None) -> Path:
     """Where tandem's own cache lives, without creating it.
 
-    The argument wins, then ``TANDEM_CACHE_DIR``, then the platform convention.
+    The argument wins, then ``TANDEM_CACHE_DIR``, then the platform convention
+    (``$XDG_CACHE_HOME``, else ``~/.cache``), read from ``environ`` (default: the process
+    environment, by ``read_env``).
     """
-    env = os.environ if environ is None else environ
-    base = Path(cache_dir) if cache_dir is not None else read_env(env).cache_dir
-    if base is None:
-        # XDG_CACHE_HOME is the desktop convention every tool honours, not a tandem
-        # switch, so it is read here next to its fallback rather than in TandemEnv.
-        xdg = env.get("XDG_CACHE_HOME", "").strip()
-        base = Path(xdg) if xdg else Path.home() / ".cache"
+    if cache_dir is not None:
+        return Path(cache_dir) / "tandem"
+    env = read_env(environ)
+    base = env.cache_dir or env.xdg_cache_home or Path.home() / ".cache"
     return base / "tandem"
 
 

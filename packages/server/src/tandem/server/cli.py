@@ -2,7 +2,8 @@
 
 ``serve`` exposes every ``EngineConfig`` field as a ``--kebab-case`` flag, generated
 from the dataclass, with its help taken from the dataclass docstring, so a new engine
-option is a server flag the day it lands and the two can never disagree.
+option is a server flag the day it lands and the two can never disagree. A field whose
+default comes from the environment is passed on only when its flag is given.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _CHOICES = {
     "dtype": engine_config.DTYPES,
     "load_format": engine_config.LOAD_FORMATS,
     "schedule_policy": engine_config.SCHEDULE_POLICIES,
+    "compile_checks": engine_config.COMPILE_CHECKS,
 }
 
 
@@ -68,12 +70,21 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         base = _base_type(hints[f.name])
         help_text = docs.get(f.name, f.name).replace("%", "%%")
+        from_env = f.metadata.get("from_env", False)  # left out unless given
         if base is bool:
-            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            if from_env:
+                group.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS, help=help_text,
+                )  # fmt: skip
+            else:
+                group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
             continue
-        help_text += f" (default: {f.default})"
+        if not from_env:
+            help_text += f" (default: {f.default})"
         group.add_argument(
-            flag, dest=f.name, type=base, default=f.default, metavar=f.name.upper(),
+            flag, dest=f.name, type=base, metavar=f.name.upper(),
+            default=argparse.SUPPRESS if from_env else f.default,
             choices=_CHOICES.get(f.name), help=help_text,
         )  # fmt: skip
 
@@ -119,7 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(EngineConfig)
-        if f.name not in OFFLINE_ONLY
+        if f.name not in OFFLINE_ONLY and hasattr(args, f.name)
     }
 
 

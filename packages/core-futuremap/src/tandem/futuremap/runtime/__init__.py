@@ -43,14 +43,17 @@ def create_stream(
     ``DeviceStream`` elsewhere.
 
     ``max_delay_s`` and ``seed`` apply to the host stream only; when omitted they come
-    from ``TANDEM_HOST_STREAM_MAX_DELAY_MS`` / ``TANDEM_HOST_STREAM_SEED``.
+    from ``TANDEM_HOST_STREAM_MAX_DELAY_MS`` / ``TANDEM_HOST_STREAM_SEED``
+    (``read_env``). An engine passes its ``host_stream_*`` options.
     """
     dev = torch.device(device)
     if dev.type != "cpu":
         return DeviceStream(dev)
-    env = read_env()
-    delay = env.host_stream_max_delay_s if max_delay_s is None else max_delay_s
-    return HostStream(name, max_delay_s=delay, seed=env.host_stream_seed if seed is None else seed)
+    if max_delay_s is None or seed is None:
+        env = read_env()
+        max_delay_s = env.host_stream_max_delay_s if max_delay_s is None else max_delay_s
+        seed = env.host_stream_seed if seed is None else seed
+    return HostStream(name, max_delay_s=max_delay_s, seed=seed)
 
 
 def current_stream(device: torch.device | str) -> Stream:

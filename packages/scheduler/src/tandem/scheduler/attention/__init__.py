@@ -7,10 +7,10 @@ or FlashInfer."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
+from tandem.futuremap import read_env
 from tandem.scheduler.attention.base import AttentionBackend, HeadShape, KVCacheView
 
 __all__ = [
@@ -47,17 +47,21 @@ def create_attention_backend(
     device: torch.device,
     heads: HeadShape,
     debug: bool = False,
+    triton_interpret: bool | None = None,
 ) -> AttentionBackend:
     """Build the backend called ``name``; an unknown name, a device the backend does
     not support or a missing package is a ``ValueError`` naming it. ``debug`` turns on
-    the backend's debug invariants (the ``torch`` backend's decode-stage check)."""
+    the backend's debug invariants (the ``torch`` backend's decode-stage check).
+    ``triton_interpret``: Triton runs in its interpreter, which lets ``triton`` run on
+    a CPU; ``None`` reads ``TRITON_INTERPRET`` (``read_env``)."""
     if name == "torch":
         from tandem.scheduler.attention.torch_backend import TorchAttention
 
         return TorchAttention(kv_cache, req_to_token, check_stage=debug)
     if name == "triton":
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        if device.type != "cuda" and not (device.type == "cpu" and interpreted):
+        if triton_interpret is None:
+            triton_interpret = read_env().triton_interpret
+        if device.type != "cuda" and not (device.type == "cpu" and triton_interpret):
             raise ValueError(
                 "attention_backend='triton' needs a CUDA or ROCm device (on a CPU it runs "
                 f"only under TRITON_INTERPRET=1, for tests), got {device}"

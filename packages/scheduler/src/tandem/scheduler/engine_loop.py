@@ -1,0 +1,143 @@
+"""The loop thread: runs the scheduler and hands each step's output to its waiters.
+
+Callers talk to it through an inbox (add, abort, stop), which it drains between
+steps; it blocks on the inbox only when the scheduler has no work. If the loop dies,
+every waiter gets the exception and later calls are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any
+
+from tandem.scheduler.messages import Update
+from tandem.scheduler.request import Request
+from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.streams import Chunk, Waiter, put_all
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """The scheduler's thread and the waiters of the requests it runs."""
+
+    def __init__(self, scheduler: Scheduler, *, speculative: bool) -> None:
+        self.scheduler = scheduler
+        self.speculative = speculative
+        self.waiters: dict[str, Waiter] = {}
+        """Waiters by request id, until the request finishes."""
+        self.failure: BaseException | None = None
+        """What killed the loop, if it died."""
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
+        self._thread.start()
+
+    def add(self, waiter: Waiter) -> None:
+        """Queue ``waiter``'s request; its chunks go to ``waiter``."""
+        self.waiters[waiter.req.rid] = waiter
+        self._inbox.put(("add", waiter.req))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def stop(self) -> None:
+        """Stop the thread; pending requests end with an error."""
+        self._inbox.put(("stop", None))
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.scheduler.has_work()
+                if not self._drain_inbox(block):
+                    break
+                self._deliver(self.scheduler.iterate())
+        except BaseException as exc:
+            log.exception("scheduler loop failed")
+            self.failure = exc
+            for waiter in list(self.waiters.values()):
+                waiter.put(exc)
+        finally:
+            for waiter in list(self.waiters.values()):
+                waiter.put(RuntimeError("the engine shut down before the request finished"))
+            self.waiters.clear()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Move new requests into the scheduler; ``False`` when asked to stop."""
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self.scheduler.add(item)
+            elif kind == "abort":
+                self.scheduler.abort(item)
+
+    def _deliver(self, updates: list[Update]) -> None:
+        """Hand a step's chunks to their consumers: straight into thread queues, and
+        to each asyncio loop in one call, so a step wakes a loop once rather than once
+        per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Waiter, Chunk]]] = {}
+        for update in updates:
+            found = self._chunk(update)
+            if found is None:
+                continue
+            waiter, chunk = found
+            if waiter.loop is None:
+                waiter.chunks.put(chunk)
+            else:
+                by_loop.setdefault(waiter.loop, []).append((waiter, chunk))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put_all, items)
+            except RuntimeError:
+                # The consumers' event loop is closed: nobody is left to read these
+                # streams, so stop their requests as a disconnect would.
+                for waiter, _ in items:
+                    self.waiters.pop(waiter.req.rid, None)
+                    self.scheduler.abort(waiter.req.rid)
+
+    def _chunk(self, update: Update) -> tuple[Waiter, Chunk] | None:
+        req = update.req
+        waiter = self.waiters.get(req.rid)
+        if waiter is None or not (waiter.stream or update.finished):
+            return None
+        chunk = {
+            "text": req.stop.take_new_text(final=update.finished),
+            # A stream's chunk holds the step's ids; a final result all of them.
+            "output_ids": list(update.new_ids if waiter.stream else req.output_ids),
+            "meta_info": self._meta(req),
+        }
+        if update.finished:
+            del self.waiters[req.rid]
+        return waiter, chunk
+
+    def _meta(self, req: Request) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish.as_dict() if req.finish else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        if req.token_times is not None:
+            meta["output_token_times"] = list(req.token_times)
+        if self.speculative:
+            meta["spec_verify_ct"] = req.spec_verify_ct
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                (lp, tok, None)
+                for lp, tok in zip(req.output_logprobs, req.output_ids, strict=False)
+            ]
+            if req.top_logprobs_num:
+                meta["output_top_logprobs"] = [
+                    [(lp, tok, None) for lp, tok in step] for step in req.output_top_logprobs
+                ]
+        return meta

@@ -1,0 +1,214 @@
+"""Request intake: one ``generate`` call's arguments checked and turned into ``Request``
+objects before any of them is queued.
+
+A bad request is a ``ValueError`` naming the field (and the request's index in a
+batch); nothing of the call reaches the loop thread then, so it never disturbs other
+work. ``n > 1`` becomes ``n`` requests with ids and seeds of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.scheduler.detokenizer import IncrementalDetokenizer
+from tandem.scheduler.request import Request
+from tandem.scheduler.sampling import SamplingParams
+from tandem.scheduler.speculative import SpeculativeWorker
+from tandem.scheduler.stop import StopChecker
+from tandem.scheduler.tokenizer import Tokenizer
+
+Prompt = str | Sequence[str] | None
+InputIds = Sequence[int] | Sequence[Sequence[int]] | None
+ParamsArg = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+
+
+@dataclass
+class _Parsed:
+    """One prompt's request, checked, with the call's and the sampling parameters'
+    logprob options merged."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+@dataclass(frozen=True)
+class Intake:
+    """What checking a request needs to know of the engine."""
+
+    tokenizer: Tokenizer | None
+    vocab_size: int
+    context_length: int
+    kv_capacity_tokens: int
+    lookahead: int
+    """KV positions a speculative step writes past the context (0 without one)."""
+    spec: SpeculativeWorker | None
+    in_use: Callable[[str], bool]
+    """Whether a request id belongs to a request still running."""
+
+    def requests(
+        self,
+        prompt: Prompt,
+        sampling_params: ParamsArg,
+        input_ids: InputIds,
+        return_logprob: bool | Sequence[bool],
+        top_logprobs_num: int | Sequence[int],
+        stream: bool,
+        rid: str | Sequence[str] | None,
+        times: bool,
+    ) -> tuple[bool, list[Request]]:
+        """The call's requests, in order, and whether it took a single prompt."""
+        single, prompts = self._prompt_ids(prompt, input_ids)
+        if stream and not single:
+            raise ValueError("stream=True takes a single prompt (or input_ids list)")
+        n = len(prompts)
+        params = _per_request(sampling_params, n, "sampling_params")
+        logprob = _per_request(return_logprob, n, "return_logprob")
+        top_n = _per_request(top_logprobs_num, n, "top_logprobs_num")
+        parsed = [
+            self._parse(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        for top in top_n:
+            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= self.vocab_size:
+                raise ValueError(
+                    f"top_logprobs_num must be an int in [0, {self.vocab_size}], got {top!r}"
+                )
+        for item, want_lp, top in zip(parsed, logprob, top_n, strict=True):
+            item.return_logprob = bool(want_lp or item.params.return_logprob)
+            item.top_logprobs_num = max(top, item.params.top_logprobs_num)
+        if stream and parsed[0].params.n > 1:
+            raise ValueError("stream=True takes n=1")
+        rids = self._request_ids(rid, parsed)
+        self._check_speculative(parsed)
+        reqs = [
+            self._request(copy, request_id, times)
+            for item, ids in zip(parsed, rids, strict=True)
+            for copy, request_id in zip(_copies(item), ids, strict=True)
+        ]
+        return single and len(reqs) == 1, reqs
+
+    def _prompt_ids(self, prompt: Prompt, input_ids: InputIds) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt and input_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass input_ids instead of prompt")
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            for i, text in enumerate(texts):
+                if not isinstance(text, str):
+                    raise ValueError(f"prompt {i} is not a string")
+                if not text:
+                    raise ValueError(f"prompt {i} is empty")
+            return single, [self.tokenizer.encode(t) for t in texts]
+        assert input_ids is not None
+        single = len(input_ids) == 0 or not isinstance(input_ids[0], Sequence)
+        batch = [list(input_ids)] if single else [list(ids) for ids in input_ids]  # type: ignore[arg-type]
+        return single, batch
+
+    def _parse(self, index: int, ids: list[int], raw: Mapping[str, Any] | None) -> _Parsed:
+        vocab = self.vocab_size
+        if not ids:
+            raise ValueError(f"request {index}: input_ids is empty")
+        for tok in ids:
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
+                raise ValueError(
+                    f"request {index}: input_ids holds {tok!r}, outside the vocabulary [0, {vocab})"
+                )
+        try:
+            params = SamplingParams.from_dict(raw)
+            params.validate(vocab, context_len=self.context_length, prompt_len=len(ids))
+        except ValueError as exc:
+            raise ValueError(f"request {index}: {exc}") from None
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                f"request {index}: stop strings need a tokenizer, and this engine has none "
+                "(skip_tokenizer_init, or a checkpoint without tokenizer.json); use "
+                "stop_token_ids"
+            )
+        need = len(ids) + params.max_new_tokens + 2 * self.lookahead
+        if need > self.kv_capacity_tokens:
+            raise ValueError(
+                f"request {index}: prompt + max_new_tokens = {need} tokens exceeds the KV "
+                f"pool ({self.kv_capacity_tokens} tokens, max_total_tokens)"
+            )
+        return _Parsed(ids, params)
+
+    def _request_ids(
+        self, rid: str | Sequence[str] | None, parsed: list[_Parsed]
+    ) -> list[list[str]]:
+        """One id per request: the caller's (SGLang's ``rid``; with ``n > 1`` the
+        copies get ``-1``, ``-2``... suffixes) or a fresh one. Ids in use are refused."""
+        if rid is None:
+            return [[uuid.uuid4().hex for _ in range(p.params.n)] for p in parsed]
+        given = [rid] if isinstance(rid, str) else list(rid)
+        if len(given) != len(parsed) or not all(isinstance(r, str) and r for r in given):
+            raise ValueError(f"rid needs one non-empty string per prompt ({len(parsed)})")
+        out = [
+            [r] if p.params.n == 1 else [f"{r}-{i}" for i in range(p.params.n)]
+            for r, p in zip(given, parsed, strict=True)
+        ]
+        flat = [r for ids in out for r in ids]
+        clash = sorted({r for r in flat if self.in_use(r) or flat.count(r) > 1})
+        if clash:
+            raise ValueError(f"rid {clash[0]!r} is already in use")
+        return out
+
+    def _check_speculative(self, parsed: list[_Parsed]) -> None:
+        """Refuse what the speculative worker cannot serve."""
+        if self.spec is None:
+            return
+        for i, item in enumerate(parsed):
+            try:
+                self.spec.check_request(
+                    item.params, item.return_logprob or item.top_logprobs_num > 0
+                )
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
+
+    def _request(self, item: _Parsed, rid: str, times: bool) -> Request:
+        detok = (
+            IncrementalDetokenizer(
+                self.tokenizer, item.prompt_ids, skip_special_tokens=item.params.skip_special_tokens
+            )
+            if self.tokenizer is not None
+            else None
+        )
+        req = Request(
+            rid=rid,
+            prompt_ids=item.prompt_ids,
+            params=item.params,
+            stop=StopChecker(item.params.stop_strings, detok),
+            return_logprob=item.return_logprob,
+            top_logprobs_num=item.top_logprobs_num,
+        )
+        if times:
+            req.token_times = []
+        return req
+
+
+def _copies(item: _Parsed) -> list[_Parsed]:
+    """``n`` independent samples of one prompt, as ``n`` requests (in order). Seeded
+    copies get consecutive seeds, so they differ from each other yet reproduce."""
+    n = item.params.n
+    if n == 1:
+        return [item]
+    out = []
+    for i in range(n):
+        seed = None if item.params.seed is None else item.params.seed + i
+        params = dataclasses.replace(item.params, n=1, seed=seed)
+        out.append(dataclasses.replace(item, params=params))
+    return out
+
+
+def _per_request(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes | Mapping):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,243 @@
+"""Wiring: everything an ``Engine`` runs on, built from its ``EngineConfig``.
+
+``wire`` resolves the model facts (checkpoint, device, dtype, context length,
+tokenizer, eos ids), then builds the model, the pools, the attention backend, the
+sampler, the FutureMap, the speculative worker, the CUDA graphs or the CPU decode
+trace, the forward stream, the ``ModelRunner`` and the ``Scheduler``. The debug
+switches come from the config alone, never from the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+
+from tandem.futuremap import DeviceStream, FutureMap, Stream, create_stream, read_env
+from tandem.futuremap.env import CompileChecks
+from tandem.scheduler.attention import (
+    AttentionBackend,
+    HeadShape,
+    create_attention_backend,
+    default_backend,
+)
+from tandem.scheduler.attention.torch_backend import TorchAttention
+from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.cuda_graph import DecodeGraphRunner
+from tandem.scheduler.decode_trace import DecodeTrace
+from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
+from tandem.scheduler.model_runner import ModelRunner
+from tandem.scheduler.models import CausalLM, ModelConfig, load_model, resolve_dtype
+from tandem.scheduler.sampling import PenaltyState, Sampler
+from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.speculative import (
+    SpeculativeWorker,
+    TargetHandle,
+    create_speculative_worker,
+)
+from tandem.scheduler.timeline import Timeline
+from tandem.scheduler.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What ``wire`` built, as the ``Engine`` uses it."""
+
+    model_path: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    context_length: int
+    forward_threads: int | None
+    """Intra-op threads of the CPU forward (None on accelerators)."""
+    tokenizer: Tokenizer | None
+    """None without tokenizer.json or under ``skip_tokenizer_init``."""
+    eos_ids: frozenset[int]
+    kv_pool: PagedKVPool
+    req_pool: ReqToTokenPool
+    attention_backend: str
+    stream: Stream
+    """The forward stream."""
+    spec: SpeculativeWorker | None
+    graphs: DecodeGraphRunner | None
+    timeline: Timeline
+    scheduler: Scheduler
+
+
+def wire(cfg: EngineConfig) -> EngineParts:
+    """Resolve the model facts, then build the parts (loading the weights)."""
+    model_path = Path(cfg.model_path) if cfg.model_path else default_model_path()
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    mc = ModelConfig.from_pretrained(model_path)
+    dtype = resolve_dtype(cfg.dtype, mc)
+    max_pos = mc.max_position_embeddings
+    if cfg.context_length is not None and cfg.context_length > max_pos:
+        raise ValueError(
+            f"context_length={cfg.context_length} exceeds the model's "
+            f"max_position_embeddings ({max_pos})"
+        )
+    context_length = cfg.context_length or max_pos
+    forward_threads = None
+    if device.type == "cpu":
+        forward_threads = cfg.cpu_forward_threads or max(1, torch.get_num_threads() - 1)
+    tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or model_path))
+    eos_ids = _eos_ids(model_path, mc, tokenizer)
+
+    debug = cfg.debug_futures
+    model = load_model(
+        None if cfg.load_format == "dummy" else model_path,
+        mc,
+        dtype=dtype,
+        device=device,
+        load_format=cfg.load_format,
+        seed=cfg.random_seed,
+    )
+    layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype)
+    pages = _num_pages(cfg, layout, device, context_length)
+    kv_pool = PagedKVPool(pages, cfg.page_size, layout, device)
+    rows = cfg.max_running_requests
+    # A speculative step may map and write up to two lookaheads past the context.
+    req_pool = ReqToTokenPool(rows, context_length + 2 * cfg.speculative_lookahead, device)
+    heads = HeadShape(
+        mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.head_dim**-0.5, dtype
+    )
+    backend = cfg.attention_backend or default_backend(device)
+    attention = create_attention_backend(
+        backend, kv_pool, req_pool.req_to_token, device, heads,
+        debug=debug, triton_interpret=read_env().triton_interpret,
+    )  # fmt: skip
+    sampler = Sampler(seed=cfg.random_seed)
+    future_map = FutureMap(
+        rows, device, debug=debug, compile_checks=cast(CompileChecks, cfg.compile_checks)
+    )
+    spec = None
+    if cfg.speculative:
+        target = TargetHandle(
+            model, mc, attention, req_pool, kv_pool, future_map, sampler, device, dtype
+        )
+        spec = create_speculative_worker(cfg, target)
+        future_map.declare(*spec.relay_fields)
+    graphs = _decode_graphs(cfg, model, attention, device)
+    stream = _forward_stream(cfg, device, forward_threads)
+    runner = ModelRunner(
+        model=model,
+        req_pool=req_pool,
+        kv_pool=kv_pool,
+        attention=attention,
+        sampler=sampler,
+        penalties=PenaltyState(rows, mc.vocab_size, device),
+        future_map=future_map,
+        stream=stream,
+        spec=spec,
+        copy_stream=None if device.type == "cpu" else DeviceStream(device),
+        graphs=graphs,
+        decode_trace=_decode_trace(cfg, model, attention, device),
+    )
+    scheduler = Scheduler(
+        cfg, runner, eos_ids=eos_ids, context_length=context_length, strict_accounting=debug
+    )
+    return EngineParts(
+        model_path=model_path,
+        model_config=mc,
+        device=device,
+        dtype=dtype,
+        context_length=context_length,
+        forward_threads=forward_threads,
+        tokenizer=None if cfg.skip_tokenizer_init else tokenizer,
+        eos_ids=eos_ids,
+        kv_pool=kv_pool,
+        req_pool=req_pool,
+        attention_backend=backend,
+        stream=stream,
+        spec=spec,
+        graphs=graphs,
+        timeline=runner.timeline,
+        scheduler=scheduler,
+    )
+
+
+def _num_pages(
+    cfg: EngineConfig, layout: KVLayout, device: torch.device, context_length: int
+) -> int:
+    tokens = cfg.max_total_tokens
+    if tokens is None:
+        frac = cfg.mem_fraction_static or (0.05 if device.type == "cpu" else 0.85)
+        budget = int(total_memory_bytes(device) * frac) // layout.bytes_per_token
+        tokens = min(budget, cfg.max_running_requests * context_length)
+    pages = tokens // cfg.page_size + 1  # + the padding page
+    if pages < 2:
+        raise ValueError(f"max_total_tokens={tokens} leaves no room for a single KV page")
+    return pages
+
+
+def _decode_graphs(
+    cfg: EngineConfig, model: CausalLM, attention: AttentionBackend, device: torch.device
+) -> DecodeGraphRunner | None:
+    """Capture the decode forward in CUDA graphs, unless disabled or impossible
+    (not CUDA, a backend that cannot be captured, speculative decoding)."""
+    if device.type != "cuda" or cfg.disable_cuda_graph or cfg.speculative:
+        return None
+    if not attention.supports_cuda_graph:
+        log.info(
+            "no CUDA graphs: the %s attention backend cannot be captured",
+            type(attention).__name__,
+        )
+        return None
+    max_bs = min(cfg.cuda_graph_max_bs or 256, cfg.max_running_requests)
+    graphs = DecodeGraphRunner(model, attention, device, max_bs)
+    graphs.capture()
+    return graphs
+
+
+def _forward_stream(cfg: EngineConfig, device: torch.device, threads: int | None) -> Stream:
+    """The forward stream. On the CPU its worker thread runs the forward with
+    ``threads`` intra-op threads (a per-thread setting: the caller's threads keep
+    theirs)."""
+    stream = create_stream(
+        device,
+        name="tandem-forward",
+        max_delay_s=cfg.host_stream_max_delay_ms / 1000.0,
+        seed=cfg.host_stream_seed,
+    )
+    if threads is not None:
+        stream.submit(torch.set_num_threads, threads).result()
+    return stream
+
+
+def _decode_trace(
+    cfg: EngineConfig, model: CausalLM, attention: AttentionBackend, device: torch.device
+) -> DecodeTrace | None:
+    """The CPU decode trace, unless disabled or of no use: it replays the steps that
+    continue a ``torch`` backend's decode stage, which exist on the CPU only, and not
+    the speculative steps."""
+    if cfg.disable_decode_trace or cfg.speculative or device.type != "cpu":
+        return None
+    if not isinstance(attention, TorchAttention) or not attention.decode_stage:
+        return None
+    return DecodeTrace(model, attention)
+
+
+def _load_tokenizer(path: Path) -> Tokenizer | None:
+    # Checkpoints without tokenizer.json (random test models, say) run on ids alone.
+    if not (path / "tokenizer.json").exists():
+        return None
+    return Tokenizer.from_pretrained(path)
+
+
+def _eos_ids(path: Path, config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """Every id that ends a sequence: config.json, generation_config.json, tokenizer."""
+    ids = set(config.eos_token_id or ())
+    gen = path / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids |= {value} if isinstance(value, int) else set(value or ())
+    if tokenizer is not None:
+        ids |= set(tokenizer.eos_token_ids)
+    return frozenset(ids)
