@@ -100,7 +100,7 @@ class _Spy:
 def test_the_replay_hands_back_its_inputs(recorded: tuple[Engine, DecodeTrace]) -> None:
     """The traced forward returns the very tensors it was given after the hidden
     states, so it holds them until the call has retaken the GIL: an input dropped
-    mid-replay would make torch take the GIL there (see ``decode_trace``)."""
+    mid-replay would make torch take the GIL there (docs/concepts/overlap-loop.md)."""
     engine, trace = recorded
     spy = _Spy(trace._traced)
     trace._traced = spy  # type: ignore[assignment]

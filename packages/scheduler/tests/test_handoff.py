@@ -12,7 +12,7 @@ import pytest
 
 from tandem.futuremap import HostStream
 from tandem.scheduler import Engine
-from tandem.scheduler.handoff import Handoff, StepDone
+from tandem.scheduler.cpu_step import Handoff, StepDone
 from tandem.scheduler.model_runner import ModelRunner
 
 
@@ -49,6 +49,15 @@ def test_a_batch_that_ends_without_a_forward_still_releases() -> None:
     handoff.finish(second)  # e.g. the second batch failed before its forward
     assert first.query()
     assert second.query()
+
+
+def test_a_failed_batch_never_holds_its_event() -> None:
+    """The host stream skips what is queued behind a failure, so nothing would set it."""
+    handoff = Handoff()
+    first, _ = handoff.launch(), handoff.launch()
+    handoff.start()
+    handoff.finish(first, hold=False)
+    assert first.query()
 
 
 def test_a_step_done_is_set_not_recorded() -> None:

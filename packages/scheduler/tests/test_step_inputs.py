@@ -1,13 +1,16 @@
 """A batch's host columns (``StepInputs``), built on the schedule side at launch: each
 column holds the batch's list, the req_to_token entries become flat indices that
 address the same cells, decode rows are the batch's last rows, and a decode batch
-needs no gather before its logits."""
+needs no gather before its logits; the forward reads the batch's own host lists."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from tandem.scheduler.forward_batch import ForwardMode
+from tandem.scheduler import Engine
+from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 from tandem.scheduler.messages import ScheduledBatch
 from tandem.scheduler.step_inputs import StepInputs
 
@@ -66,7 +69,8 @@ def test_columns_hold_the_batch_lists() -> None:
     assert columns.sample_last.tolist() == [4, 5]
     assert columns.sample_rows.tolist() == [5, 1]
     assert columns.decode_rows(batch.num_decode).tolist() == [5, 1]
-    assert all(c.dtype == torch.int64 for c in columns)
+    assert columns.seq_lens_cpu == [6, 10, 5]
+    assert all(c.dtype == torch.int64 for c in columns if isinstance(c, torch.Tensor))
 
 
 def test_table_indices_address_the_same_cells() -> None:
@@ -88,7 +92,7 @@ def test_a_decode_batch_needs_no_gather_before_its_logits() -> None:
 
 def test_cpu_columns_are_the_host_views() -> None:
     inputs = StepInputs.build(_decode(), WIDTH, pin=False)
-    assert inputs.on(torch.device("cpu")) is inputs.host_columns
+    assert inputs.on(torch.device("cpu")) is inputs
     assert sum(inputs.sizes) == inputs.host.numel()
 
 
@@ -96,5 +100,35 @@ def test_an_empty_batch_has_empty_columns() -> None:
     batch = ScheduledBatch(ForwardMode.DECODE, reqs=[], prefix_lens=[], extend_lens=[])
     inputs = StepInputs.build(batch, WIDTH, pin=False)
     assert inputs.host.numel() == 0
-    assert all(c.numel() == 0 for c in inputs.host_columns)
+    assert all(c.numel() == 0 for c in inputs if isinstance(c, torch.Tensor))
     assert inputs.every_token_samples
+
+
+def test_the_forward_reads_the_batch_lists() -> None:
+    """The ``ForwardBatch`` attention plans from holds the launched batch's own host
+    lists, not copies."""
+    launched: list[ScheduledBatch] = []
+    planned: list[ForwardBatch] = []
+    with Engine(
+        device="cpu", skip_tokenizer_init=True, disable_progress_bar=True,
+        disable_overlap_schedule=True,
+    ) as engine:  # fmt: skip
+        runner = engine.scheduler.runner
+        launch, plan = runner.launch, runner.attention.plan
+
+        def spy_launch(batch: ScheduledBatch, *args: Any, **kwargs: Any) -> Any:
+            launched.append(batch)
+            return launch(batch, *args, **kwargs)
+
+        def spy_plan(fb: ForwardBatch) -> None:
+            planned.append(fb)
+            plan(fb)
+
+        runner.launch = spy_launch  # type: ignore[method-assign]
+        runner.attention.plan = spy_plan  # type: ignore[method-assign]
+        engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 3})
+    assert len(planned) == len(launched) > 1
+    for batch, fb in zip(launched, planned, strict=True):
+        assert fb.rows_cpu is batch.rows
+        assert fb.extend_lens_cpu is batch.extend_lens
+        assert fb.seq_lens_cpu == batch.seq_lens

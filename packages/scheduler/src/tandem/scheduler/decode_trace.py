@@ -1,42 +1,12 @@
 """The decode trace: a CPU decode step replayed as one TorchScript graph.
 
-A small model's CPU decode step is counted in calls, not in arithmetic: about a
-hundred torch calls per step, each paying several microseconds of Python and
-dispatcher overhead whatever its size. And in the overlap loop the forward thread needs
-the GIL between every two calls, so the scheduler's host work and the forward's glue
-take turns instead of running side by side. The trace is the CPU's counterpart of a
-CUDA graph: the model's decode forward recorded once with ``torch.jit.trace`` and
-replayed by the TorchScript interpreter, which runs the whole layer stack without
-Python and releases the GIL for the call, so the scheduler thread builds the next
-batch meanwhile, in parallel.
-
-What is traced: the model's forward (embedding to final norm) of a decode step that
-continues its decode stage (``attention.torch_backend.StagedDecode``), the common step
-of a steady CPU decode batch. Every input of such a step is a tensor, and the sizes the
-forward reads from them (batch size, key length) stay symbolic in the trace, so one
-trace, recorded at the first such step, serves every batch size and length. Other
-steps (prefills, the step that starts a stage, speculative steps) run eagerly. The
-runner still resolves the input ids from the FutureMap before the replay and samples
-and stashes after it: the protocol's reads and writes stay explicit.
-
-Why the traced forward returns its inputs. torch keeps a tensor's Python object alive
-while C++ code holds references to the tensor, and lets it go when the count of those
-references falls back to the Python object's own: at that moment torch takes the GIL
-(PyObject preservation, ``c10::intrusive_ptr``). The replay's inputs are Python tensors,
-and the interpreter drops each one after its last use, mid-graph, without the GIL: so
-each input cost the replay one wait for the GIL (14 per step for the default model,
-measured), and whenever the scheduler thread was running Python the forward stalled
-until it stopped. The overlap loop then gained almost nothing on the CPU: the host's
-work and the forward took turns. Returned as outputs, the inputs stay referenced until
-the call has retaken the GIL on its way out, and the replay runs without it from end
-to end.
-
-A trace records one path through Python: branches taken on sizes (``RMSNorm``'s
-small-input branch) or dtypes are fixed at the traced step. The model's branches
-compute the same function, so a replay at another size is the eager step's arithmetic
-(tested token for token against the eager engine). Recording runs the step once and the
-replay runs it again; the step writes the same K/V to the same cache slots and stage
-positions both times, so that is harmless.
+The CPU's counterpart of a CUDA graph: the model's forward (embedding to final norm) of
+a decode step that continues its decode stage (``attention.torch_backend.StagedDecode``)
+is recorded once with ``torch.jit.trace`` and replayed by the TorchScript interpreter,
+without Python between its calls and without the GIL. Sizes stay symbolic, so one
+recording serves every batch size and length; other steps run eagerly. Why the replay
+returns its inputs, and why a recording at one size is exact at another:
+docs/concepts/overlap-loop.md, "The CPU forward stream".
 """
 
 from __future__ import annotations
@@ -82,8 +52,8 @@ class _StagedForward(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, *staged: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """The final-norm hidden states, followed by every input, unchanged: returning
-        the inputs keeps the replay from needing the GIL (see the module docstring)."""
+        """The final-norm hidden states, followed by every input, unchanged: an input
+        the interpreter dropped mid-replay would make torch take the GIL there."""
         attention = _StagedAttention(StagedDecode.from_tensors(staged, self.num_layers))
         hidden, _ = self.decoder(input_ids, positions, attention)
         return (hidden, input_ids, positions, *staged)
@@ -91,7 +61,7 @@ class _StagedForward(nn.Module):
 
 class DecodeTrace:
     """Replays a CPU decode step that continues its decode stage through one trace of
-    the model's forward (see the module docstring). Used on the forward stream only."""
+    the model's forward. Used on the forward stream only (by ``cpu_step.CpuStep``)."""
 
     def __init__(self, model: CausalLM, attention: TorchAttention) -> None:
         self._module = _StagedForward(model)
@@ -126,7 +96,7 @@ class DecodeTrace:
         record it."""
         with warnings.catch_warnings():
             # The tracer warns at each size-dependent Python branch (RMSNorm's); those
-            # compute the same function either way (see the module docstring). torch
+            # compute the same function either way. torch
             # 2.13 deprecates torch.jit.trace in favour of torch.compile, which needs
             # a C++ compiler at run time; until the trace is gone it is the way to run
             # a forward without Python on any CPU machine.

@@ -49,6 +49,9 @@ class ForwardBatch:
         extend_lens_cpu: ``extend_lens`` as a host list.
         rows_cpu: ``rows`` as a host list, when the caller has
             it (a backend may then recognise a batch of the same rows as the last).
+
+    The host lists are the launched batch's own (``ScheduledBatch``), not copies:
+    read them, never change them; a backend that keeps one past ``plan`` copies it.
     """
 
     mode: ForwardMode

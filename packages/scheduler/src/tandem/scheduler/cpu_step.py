@@ -1,0 +1,161 @@
+"""How a step runs on the CPU: the ``ModelRunner``'s step driver for the host stream.
+
+The forward stream is the host stream's worker thread and the step's outputs are host
+tensors already, so there is no copy: the worker sets each batch's copy-done event
+itself (``StepDone``), at the point ``Handoff`` picks so that the host's Python runs
+beside a forward rather than beside the next batch's preparation. A decode step that
+continues its decode stage replays the ``DecodeTrace``. Why, and what each costs:
+docs/concepts/overlap-loop.md, "The CPU forward stream".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from tandem.futuremap import Event, Stream
+from tandem.scheduler.attention import AttentionBackend
+from tandem.scheduler.decode_trace import DecodeTrace
+from tandem.scheduler.forward_batch import ForwardBatch
+from tandem.scheduler.messages import LaunchedBatch, SamplingSpec, ScheduledBatch, StepResult
+from tandem.scheduler.models import CausalLM
+from tandem.scheduler.step_inputs import Step, StepInputs
+from tandem.scheduler.timeline import Timeline
+
+
+class StepDone(Event):
+    """The copy-done event of one CPU batch, set by the forward stream's worker
+    (see ``Handoff``) rather than recorded at a point of the stream."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def record(self, stream: Stream) -> None:
+        raise TypeError("a StepDone is set by the forward stream, not recorded")
+
+    def wait(self, stream: Stream) -> None:
+        stream.submit(self._done.wait)
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class Handoff:
+    """Sets each CPU batch's ``StepDone``: when the batch ends if nothing is queued
+    behind it or it failed, else when the batch behind it reaches its forward (or ends,
+    failed or not), so an event is held only while a later batch is on the stream.
+
+    ``launch`` is called on the host; ``start``, ``finish`` and ``release`` on the
+    forward stream's worker. Each counter is written by one thread only."""
+
+    def __init__(self) -> None:
+        self._launched = 0
+        self._started = 0
+        self._held: list[StepDone] = []
+
+    def launch(self) -> StepDone:
+        """A batch is being submitted: its copy-done event."""
+        self._launched += 1
+        return StepDone()
+
+    def start(self) -> None:
+        """A batch began on the worker."""
+        self._started += 1
+
+    def release(self) -> None:
+        """The running batch reached its forward (or ended): set the held events."""
+        held, self._held = self._held, []
+        for done in held:
+            done.set()
+
+    def finish(self, done: StepDone, hold: bool = True) -> None:
+        """The running batch ended: hold its event when a later batch is queued (and
+        ``hold``: a failed batch never holds, since the host stream skips the batches
+        queued behind a failure and none of them would set it)."""
+        self.release()
+        if hold and self._launched > self._started:
+            self._held.append(done)
+        else:
+            done.set()
+
+
+class CpuStep:
+    """The step driver of the CPU (see ``model_runner.StepDriver``)."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        timeline: Timeline,
+        model: CausalLM,
+        attention: AttentionBackend,
+        decode_trace: DecodeTrace | None,
+    ) -> None:
+        self.stream = stream
+        self.timeline = timeline
+        self.model = model
+        self.attention = attention
+        self.decode_trace = decode_trace
+        self.handoff = Handoff()
+
+    def launch(
+        self,
+        step: Step,
+        batch: ScheduledBatch,
+        inputs: StepInputs,
+        sampling: SamplingSpec | None,
+        new_period: bool,
+    ) -> LaunchedBatch:
+        done = self.handoff.launch()
+        work = self.stream.submit(self._run, step, batch, inputs, sampling, new_period, done)
+        return LaunchedBatch(batch, work, done)
+
+    def _run(
+        self,
+        step: Step,
+        batch: ScheduledBatch,
+        inputs: StepInputs,
+        sampling: SamplingSpec | None,
+        new_period: bool,
+        done: StepDone,
+    ) -> StepResult:
+        """On the worker: the timed step, then its copy-done handed over."""
+        handle = self.timeline.begin(new_period)
+        self.handoff.start()
+        try:
+            result = step(batch, inputs, sampling)
+        except BaseException:
+            self.timeline.end(handle)
+            self.handoff.finish(done, hold=False)
+            raise
+        self.timeline.end(handle)
+        self.handoff.finish(done)
+        return result
+
+    def forward_starts(self) -> None:
+        """The step's preparation is over: the host's work now runs beside it."""
+        self.handoff.release()
+
+    def replay(self, batch: ScheduledBatch, inputs: StepInputs) -> torch.Tensor | None:
+        """No whole-step replay on the CPU (the decode trace replays the model's
+        forward only, after planning: see ``forward``)."""
+        return None
+
+    def forward(
+        self, fb: ForwardBatch, capture: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The model's forward of the planned batch: replayed by the decode trace when
+        the step is one it covers, else eager."""
+        self.handoff.release()  # the host's work now runs beside this forward
+        if self.decode_trace is not None and not capture:
+            hidden = self.decode_trace.forward(fb)
+            if hidden is not None:
+                return hidden, []
+        return self.model.forward_capture(fb.input_ids, fb.positions, self.attention, capture)
