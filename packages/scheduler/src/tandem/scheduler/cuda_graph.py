@@ -1,18 +1,11 @@
 """CUDA graphs of the decode forward, one per captured batch size.
 
 A decode step of a small batch is hundreds of kernel launches whose host cost exceeds
-the kernels' own time; replaying a captured graph turns them into one launch. A
-batch of ``n`` requests replays the graph of the smallest captured size ``bs >= n``;
-the ``bs - n`` padded entries use row 0 (the request pool's padding row, whose first
-KV slot is in the padding page), sequence length 1, position 0 and KV slot 0, so they
-read and write only padding and their logits are dropped.
-
-Each captured size owns its static inputs: one ``[4, bs]`` int64 block (positions,
-rows, sequence lengths, KV slots) that the host fills, padding included, and sends
-with a single copy from pinned memory, plus the ``[bs]`` input ids that the FutureMap
-resolves into on the forward stream. Only attention backends whose decode ``plan``
-reads device tensors alone (``AttentionBackend.supports_cuda_graph``) can be captured.
-Speculative steps are not captured (their draft and verify shapes are planned per step).
+the kernels' own time; replaying a captured graph turns them into one launch. A batch
+of ``n`` requests replays the graph of the smallest captured size ``bs >= n``, padded
+with entries that touch only the padding row and page. Only attention backends whose
+decode ``plan`` reads device tensors alone (``AttentionBackend.supports_cuda_graph``)
+can be captured; speculative steps are not (their shapes are planned per step).
 """
 
 from __future__ import annotations
@@ -63,7 +56,16 @@ class _Graph:
 
 
 class DecodeGraphRunner:
-    """Captures and replays decode forwards (see the module docstring)."""
+    """Captures and replays decode forwards.
+
+    The ``bs - n`` padded entries of a replay use row 0 (the request pool's padding
+    row, whose first KV slot is in the padding page), sequence length 1, position 0 and
+    KV slot 0, so they read and write only padding and their logits are dropped. Each
+    captured size owns its static inputs: one ``[4, bs]`` int64 block (positions, rows,
+    sequence lengths, KV slots) that the host fills, padding included, and sends with a
+    single copy from pinned memory, plus the ``[bs]`` input ids that the FutureMap
+    resolves into on the forward stream.
+    """
 
     def __init__(
         self,
