@@ -11,7 +11,7 @@ docs/concepts/overlap-loop.md, "The CPU forward stream".
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,10 +19,9 @@ from tandem.futuremap import Event, Stream
 from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.forward_batch import ForwardBatch
-from tandem.scheduler.messages import LaunchedBatch, SamplingSpec, ScheduledBatch, StepResult
+from tandem.scheduler.messages import LaunchedBatch, ScheduledBatch, StepResult
 from tandem.scheduler.models import CausalLM
-from tandem.scheduler.step_inputs import Step, StepInputs
-from tandem.scheduler.timeline import Timeline
+from tandem.scheduler.step_inputs import StepInputs
 
 
 class StepDone(Event):
@@ -93,49 +92,28 @@ class CpuStep:
     def __init__(
         self,
         stream: Stream,
-        timeline: Timeline,
         model: CausalLM,
         attention: AttentionBackend,
         decode_trace: DecodeTrace | None,
     ) -> None:
         self.stream = stream
-        self.timeline = timeline
         self.model = model
         self.attention = attention
         self.decode_trace = decode_trace
         self.handoff = Handoff()
 
-    def launch(
-        self,
-        step: Step,
-        batch: ScheduledBatch,
-        inputs: StepInputs,
-        sampling: SamplingSpec | None,
-        new_period: bool,
-    ) -> LaunchedBatch:
+    def launch(self, batch: ScheduledBatch, run: Callable[[], StepResult]) -> LaunchedBatch:
         done = self.handoff.launch()
-        work = self.stream.submit(self._run, step, batch, inputs, sampling, new_period, done)
-        return LaunchedBatch(batch, work, done)
+        return LaunchedBatch(batch, self.stream.submit(self._run, run, done), done)
 
-    def _run(
-        self,
-        step: Step,
-        batch: ScheduledBatch,
-        inputs: StepInputs,
-        sampling: SamplingSpec | None,
-        new_period: bool,
-        done: StepDone,
-    ) -> StepResult:
-        """On the worker: the timed step, then its copy-done handed over."""
-        handle = self.timeline.begin(new_period)
+    def _run(self, run: Callable[[], StepResult], done: StepDone) -> StepResult:
+        """On the worker: the step, then its copy-done handed over."""
         self.handoff.start()
         try:
-            result = step(batch, inputs, sampling)
+            result = run()
         except BaseException:
-            self.timeline.end(handle)
             self.handoff.finish(done, hold=False)
             raise
-        self.timeline.end(handle)
         self.handoff.finish(done)
         return result
 

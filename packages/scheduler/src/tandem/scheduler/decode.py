@@ -36,19 +36,20 @@ class DecodeManager:
         return [r for r in self.stages.running if r.scheduled_samples < r.max_samples]
 
     def schedule(self) -> ScheduledBatch | None:
-        if not self._make_room():
+        decodable = self._make_room()
+        if decodable is None:
             return None
         if self.spec is not None:
-            return self.spec.schedule(self.decodable())
+            return self.spec.schedule(decodable)
         batch = ScheduledBatch(ForwardMode.DECODE)
-        return batch if self.add_rows(batch) else None
+        return batch if self.add_rows(batch, decodable) else None
 
-    def add_rows(self, batch: ScheduledBatch) -> bool:
+    def add_rows(self, batch: ScheduledBatch, decodable: list[Request] | None = None) -> bool:
         """Append every decodable request that gets its KV as one decode row (after
         any prefill rows: decode rows come last); False if none fits."""
         slots = self.resources.kv_pool.slots
         added = False
-        for req in self.decodable():
+        for req in self.decodable() if decodable is None else decodable:
             if req in batch.reqs or not self.resources.reserve(req, req.kv_len + 1):
                 continue
             pos = req.kv_len
@@ -60,19 +61,21 @@ class DecodeManager:
             added = True
         return added
 
-    def _make_room(self) -> bool:
-        """Retract the newest requests until every decodable one gets its next page.
-        False when pages only come back after a batch in flight is processed."""
+    def _make_room(self) -> list[Request] | None:
+        """Retract the newest requests until every decodable one gets its next page;
+        returns the decodable requests, or None when pages only come back after a batch
+        in flight is processed."""
         stages = self.stages
+        short = self.resources.pages_short
         while True:
-            short = self.resources.pages_short
-            need = sum(short(r, r.kv_len + self.lookahead) for r in self.decodable())
+            decodable = self.decodable()
+            need = sum(short(r, r.kv_len + self.lookahead) for r in decodable)
             if need <= self.resources.available_pages():
-                return True
+                return decodable
             victims = sorted((*stages.running, *stages.prefilling), key=lambda r: r.admit_seq)
             if len(victims) <= 1:
                 if stages.retiring:
-                    return False  # finished requests' pages come back after processing
+                    return None  # finished requests' pages come back after processing
                 raise RuntimeError("KV pool too small for a single request")
             if not self.release.retract(victims[-1]):
-                return False
+                return None

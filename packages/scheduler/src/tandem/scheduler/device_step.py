@@ -11,7 +11,7 @@ captured size replays its CUDA graph (``DecodeGraphRunner``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,10 +19,9 @@ from tandem.futuremap import DeviceStream, FutureMap, Stream
 from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
-from tandem.scheduler.messages import LaunchedBatch, SamplingSpec, ScheduledBatch, StepResult
+from tandem.scheduler.messages import LaunchedBatch, ScheduledBatch, StepResult
 from tandem.scheduler.models import CausalLM
-from tandem.scheduler.step_inputs import Step, StepInputs
-from tandem.scheduler.timeline import Timeline
+from tandem.scheduler.step_inputs import StepInputs
 
 
 class DeviceStep:
@@ -32,7 +31,6 @@ class DeviceStep:
         self,
         stream: Stream,
         copy_stream: DeviceStream,
-        timeline: Timeline,
         model: CausalLM,
         attention: AttentionBackend,
         future_map: FutureMap,
@@ -40,40 +38,18 @@ class DeviceStep:
     ) -> None:
         self.stream = stream
         self.copy_stream = copy_stream
-        self.timeline = timeline
         self.model = model
         self.attention = attention
         self.future_map = future_map
         self.graphs = graphs
 
-    def launch(
-        self,
-        step: Step,
-        batch: ScheduledBatch,
-        inputs: StepInputs,
-        sampling: SamplingSpec | None,
-        new_period: bool,
-    ) -> LaunchedBatch:
-        work = self.stream.submit(self._run, step, batch, inputs, sampling, new_period)
+    def launch(self, batch: ScheduledBatch, run: Callable[[], StepResult]) -> LaunchedBatch:
+        work = self.stream.submit(run)
         # The stream ran the submitted step at once (it only enqueues), so its device
         # outputs exist now: copy them on the copy stream after the forward.
         self.copy_stream.wait_stream(self.stream)
         host = self.copy_stream.submit(self._copy_out, work.result())
         return LaunchedBatch(batch, host, self.copy_stream.record_event())
-
-    def _run(
-        self,
-        step: Step,
-        batch: ScheduledBatch,
-        inputs: StepInputs,
-        sampling: SamplingSpec | None,
-        new_period: bool,
-    ) -> StepResult:
-        handle = self.timeline.begin(new_period)
-        try:
-            return step(batch, inputs, sampling)
-        finally:
-            self.timeline.end(handle)
 
     def forward_starts(self) -> None:
         """Nothing to hand over: the host never waits on the forward stream itself."""

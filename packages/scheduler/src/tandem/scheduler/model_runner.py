@@ -10,7 +10,8 @@ differ: how copy-done is produced, and how a decode step is replayed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -27,22 +28,16 @@ from tandem.scheduler.messages import LaunchedBatch, SamplingSpec, ScheduledBatc
 from tandem.scheduler.models import CausalLM
 from tandem.scheduler.sampling import PenaltyState, SampleOutput, Sampler
 from tandem.scheduler.speculative import PrefillDraftInput, SpecDecodeInput, SpeculativeWorker
-from tandem.scheduler.step_inputs import Step, StepInputs
+from tandem.scheduler.step_inputs import StepInputs
 from tandem.scheduler.timeline import Timeline
 
 
 class StepDriver(Protocol):
     """How a step runs on the device's streams (``CpuStep``, ``DeviceStep``)."""
 
-    def launch(
-        self,
-        step: Step,
-        batch: ScheduledBatch,
-        inputs: StepInputs,
-        sampling: SamplingSpec | None,
-        new_period: bool,
-    ) -> LaunchedBatch:
-        """Enqueue ``step(batch, inputs, sampling)``, timed, with its copy-done event."""
+    def launch(self, batch: ScheduledBatch, run: Callable[[], StepResult]) -> LaunchedBatch:
+        """Enqueue ``run`` (the batch's step) on the forward stream, with the event
+        that says its results are on the host."""
         ...
 
     def forward_starts(self) -> None:
@@ -94,12 +89,10 @@ class ModelRunner:
         self.driver: StepDriver
         self.copy_stream: DeviceStream | None = None  # the CPU's results are on the host
         if self.device.type == "cpu":
-            self.driver = CpuStep(stream, self.timeline, model, attention, decode_trace)
+            self.driver = CpuStep(stream, model, attention, decode_trace)
         else:
             self.copy_stream = copy_stream if copy_stream is not None else DeviceStream(self.device)
-            self.driver = DeviceStep(
-                stream, self.copy_stream, self.timeline, model, attention, future_map, graphs
-            )
+            self.driver = DeviceStep(stream, self.copy_stream, model, attention, future_map, graphs)
         self._pin = self.device.type != "cpu"
         self._table_width = req_pool.req_to_token.shape[1]
         self._capture = spec.capture_layers if spec is not None else ()
@@ -111,7 +104,8 @@ class ModelRunner:
         batch's host tensors are built here, on the schedule side (``step_inputs``).
         ``new_period``: the scheduler was idle before this batch (for the timeline)."""
         inputs = StepInputs.build(batch, self._table_width, self._pin)
-        return self.driver.launch(self._forward_step, batch, inputs, sampling, new_period)
+        run = functools.partial(self._timed_step, batch, inputs, sampling, new_period)
+        return self.driver.launch(batch, run)
 
     def discard_rows(self, rows: list[int]) -> None:
         """Freed rows forget their futures, in stream order (after any queued read).
@@ -120,6 +114,19 @@ class ModelRunner:
             self.stream.submit(self.future_map.discard, rows)
 
     # -- on the forward stream --------------------------------------------------------------
+    def _timed_step(
+        self,
+        batch: ScheduledBatch,
+        inputs: StepInputs,
+        sampling: SamplingSpec | None,
+        new_period: bool,
+    ) -> StepResult:
+        handle = self.timeline.begin(new_period)
+        try:
+            return self._forward_step(batch, inputs, sampling)
+        finally:
+            self.timeline.end(handle)
+
     @torch.inference_mode()
     def _forward_step(
         self, batch: ScheduledBatch, inputs: StepInputs, sampling: SamplingSpec | None

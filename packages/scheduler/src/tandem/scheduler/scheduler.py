@@ -135,8 +135,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next batch from host state alone: prefill first (decode rows riding
         along with mixed chunks), else decode."""
-        counters = self.counters
-        batch = self.prefill.schedule(decoding=len(self.decode.decodable()))
+        counters, stages = self.counters, self.stages
+        batch = None
+        if stages.waiting or stages.prefilling:
+            batch = self.prefill.schedule(decoding=len(self.decode.decodable()))
         if batch is None:
             batch = self.decode.schedule()
             counters.decode_steps += batch is not None
@@ -154,8 +156,8 @@ class Scheduler:
             req.in_flight += 1
         self.counters.forward_steps += 1
         batch.step = self.counters.forward_steps
-        spec = batch.mode is ForwardMode.SPEC_DECODE
-        self.resources.launch(batch, self.spec.lookahead if spec and self.spec else None)
+        spec = self.spec if batch.mode is ForwardMode.SPEC_DECODE else None
+        self.resources.launch(batch, spec.lookahead if spec is not None else None)
         launched = self.runner.launch(batch, SamplingSpec.of(batch), new_period=self._new_period)
         self._new_period = False
         return launched

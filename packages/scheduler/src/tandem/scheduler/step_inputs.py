@@ -11,12 +11,11 @@ function of the batch: it reads no device state. Writes to shared tables
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from tandem.scheduler.messages import SamplingSpec, ScheduledBatch, StepResult
+from tandem.scheduler.messages import ScheduledBatch
 
 
 class StepInputs(NamedTuple):
@@ -76,7 +75,3 @@ class StepInputs(NamedTuple):
     def decode_rows(self, count: int) -> torch.Tensor:
         """The rows of the batch's decode requests, which come last (``ForwardMode``)."""
         return self.rows[self.rows.shape[0] - count :]
-
-
-# The runner's work for one launched batch, which a step driver runs on the forward stream.
-Step = Callable[[ScheduledBatch, StepInputs, SamplingSpec | None], StepResult]
