@@ -75,6 +75,8 @@ class TandemEnv:
         triton_interpret: ``TRITON_INTERPRET`` is ``1``: Triton's own switch, which
             runs its kernels in the interpreter (on a CPU too). Triton reads it when it
             is imported, so it is a fact of the process rather than an engine option.
+        api_key: ``TANDEM_API_KEY``; the default of ``tandem serve --api-key`` (``None``
+            when unset or empty), so a key need not appear in a process listing.
     """
 
     debug_futures: bool = False
@@ -84,6 +86,7 @@ class TandemEnv:
     cache_dir: Path | None = None
     xdg_cache_home: Path | None = None
     triton_interpret: bool = False
+    api_key: str | None = None
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
@@ -115,4 +118,5 @@ def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
         cache_dir=Path(cache_raw).expanduser() if cache_raw else None,
         xdg_cache_home=Path(xdg_raw) if xdg_raw else None,
         triton_interpret=env.get("TRITON_INTERPRET") == "1",
+        api_key=env.get("TANDEM_API_KEY") or None,
     )

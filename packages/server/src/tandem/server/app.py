@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tandem.scheduler.tokenizer import Tokenizer
 from tandem.server import openapi_schemas, parsing
+from tandem.server.config import ServerConfig
+from tandem.server.lifecycle import Lifecycle
 from tandem.server.errors import APIError, error_body, install_handlers
 from tandem.server.generation import (
     Choice,
@@ -47,6 +49,8 @@ class ServerState:
     tokenizer: Tokenizer | None
     limits: Limits
     model_name: str
+    config: ServerConfig
+    lifecycle: Lifecycle
 
 
 def served_name(engine_kwargs: dict[str, Any], served_model_name: str | None) -> str:
@@ -62,10 +66,12 @@ def ready_line(app: FastAPI, url: str) -> str:
     return f'tandem is ready at {url} serving model "{st.model_name}" on {device}'
 
 
-def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> FastAPI:
+def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
     client = SchedulerClient(engine_kwargs)
     holder: dict[str, ServerState] = {}
-    model_name = served_name(engine_kwargs, served_model_name)
+    lifecycle = Lifecycle()
+    model_name = served_name(engine_kwargs, config.served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(instance: FastAPI) -> AsyncIterator[None]:
@@ -80,7 +86,9 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
         metrics = Metrics(lambda: client.info)
         client.finished_listeners.append(metrics.on_finished)
         limits = Limits(int(info["vocab_size"]), int(info["context_length"]))
-        holder["state"] = ServerState(client, metrics, tokenizer, limits, model_name)
+        holder["state"] = ServerState(
+            client, metrics, tokenizer, limits, model_name, config, lifecycle
+        )
         instance.state.tandem = holder["state"]
         try:
             yield
@@ -88,6 +96,7 @@ def create_app(engine_kwargs: dict[str, Any], served_model_name: str | None) -> 
             await client.close()
 
     app = FastAPI(title="tandem", lifespan=lifespan)
+    app.state.lifecycle = lifecycle
     install_handlers(app)
 
     def state() -> ServerState:

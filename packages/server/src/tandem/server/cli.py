@@ -23,6 +23,7 @@ import uvicorn
 
 from tandem.scheduler import config as engine_config
 from tandem.scheduler.config import EngineConfig
+from tandem.server.config import ServerConfig, default_api_key
 
 _CHOICES = {
     "dtype": engine_config.DTYPES,
@@ -32,9 +33,9 @@ _CHOICES = {
 }
 
 
-def _field_docs() -> dict[str, str]:
-    """``name: text`` entries of the docstring's Attributes section."""
-    doc = EngineConfig.__doc__ or ""
+def _field_docs(cls: type = EngineConfig) -> dict[str, str]:
+    """``name: text`` entries of ``cls``'s docstring's Attributes section."""
+    doc = cls.__doc__ or ""
     docs: dict[str, str] = {}
     current = None
     for line in doc.split("Attributes:", 1)[-1].splitlines():
@@ -89,6 +90,39 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
 
 
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``ServerConfig`` field (help from its docstring)."""
+    docs = _field_docs(ServerConfig)
+    hints = typing.get_type_hints(ServerConfig)
+    group = parser.add_argument_group("server options")
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = docs.get(f.name, f.name).replace("%", "%%")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+        elif typing.get_origin(hint) is tuple:
+            group.add_argument(
+                flag, dest=f.name, nargs="*", default=list(f.default), metavar="VALUE",
+                help=help_text,
+            )  # fmt: skip
+        else:
+            default = default_api_key() if f.name == "api_key" else f.default
+            if f.name != "api_key" and default is not None:
+                help_text += f" (default: {default})"
+            group.add_argument(
+                flag, dest=f.name, type=_base_type(hint), default=default,
+                metavar=f.name.upper(), help=help_text,
+            )  # fmt: skip
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
+    for name in ("allowed_origins", "allowed_hosts"):
+        values[name] = tuple(values[name])
+    return ServerConfig(**values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
@@ -97,13 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI-compatible HTTP API.",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=30000, help="port to listen on")
-    serve.add_argument(
-        "--served-model-name",
-        help="the model name clients see and send (default: `default` for the embedded "
-        "default model, else the --model-path value)",
-    )
+    add_server_flags(serve)
     serve.add_argument(
         "--log-level", default="warning", choices=("debug", "info", "warning", "error")
     )
@@ -174,18 +202,22 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     kwargs = engine_kwargs(args)
     _check(parser, kwargs)
-    if not 0 < args.port < 65536:
-        parser.error(f"argument --port: {args.port} is not a TCP port")
-    app = create_app(kwargs, args.served_model_name)
-    config = uvicorn.Config(
+    config = server_config(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        name = str(exc).split(":", 1)[0].split(" ", 1)[0]
+        parser.error(f"argument --{name.replace('_', '-')}: {exc}")
+    app = create_app(kwargs, config)
+    uv_config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=config.host,
+        port=config.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=3,
         access_log=False,
     )
-    server = ReadyServer(config, lambda url: ready_line(app, url))
+    server = ReadyServer(uv_config, lambda url: ready_line(app, url))
     # uvicorn shuts down cleanly on Ctrl-C (SIGINT), then raises the signal again in
     # the caller; a stop the user asked for is not an error.
     with contextlib.suppress(KeyboardInterrupt):
