@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.engine_loop import EngineLoop
 from tandem.scheduler.intake import InputIds, Intake, ParamsArg, Prompt
-from tandem.scheduler.streams import ChunkStream, Waiter, collect
+from tandem.scheduler.streams import ChunkStream, Outbox, Waiter, collect
 from tandem.scheduler.wiring import wire
 
 
@@ -113,6 +113,32 @@ class Engine:
             return ChunkStream(waiters[0])
         results = await asyncio.to_thread(self._collect, waiters, False)
         return results[0] if single else results
+
+    def add_requests(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        sampling_params: Sequence[Mapping[str, Any]],
+        rids: Sequence[str],
+        outbox: Outbox,
+        return_logprob: Sequence[bool] | bool = False,
+        top_logprobs_num: Sequence[int] | int = 0,
+    ) -> None:
+        """Queue a batch of requests, each named by its caller's id, whose output goes
+        to ``outbox`` one step at a time (new ids and new logprobs, never text): the
+        server's scheduler process sends each step to the API process as one message.
+        Checked like ``generate``; a ``ValueError`` queues none of them."""
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        if self._loop.failure is not None:
+            raise RuntimeError("the scheduler loop died") from self._loop.failure
+        _, reqs = self._intake.requests(
+            None, list(sampling_params), [list(ids) for ids in input_ids], return_logprob,
+            top_logprobs_num, False, list(rids), False, text=False,
+        )  # fmt: skip
+        if len(reqs) != len(rids):
+            raise ValueError("add_requests takes n=1 per request (one rid each)")
+        for req in reqs:
+            self._loop.add(Waiter(req, outbox=outbox))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its ``meta_info["id"]``) wherever it is: queued,

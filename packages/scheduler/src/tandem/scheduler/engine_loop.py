@@ -16,7 +16,7 @@ from typing import Any
 from tandem.scheduler.messages import Update
 from tandem.scheduler.request import Request
 from tandem.scheduler.scheduler import Scheduler
-from tandem.scheduler.streams import Chunk, Waiter, put_all
+from tandem.scheduler.streams import Chunk, Delta, Outbox, Waiter, put_all
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,14 @@ class EngineLoop:
         to each asyncio loop in one call, so a step wakes a loop once rather than once
         per request."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Waiter, Chunk]]] = {}
+        by_outbox: dict[int, tuple[Outbox, list[Delta]]] = {}
         for update in updates:
+            relay = self.waiters.get(update.req.rid)
+            if relay is not None and relay.outbox is not None:
+                delta = self._delta(relay, update)
+                if delta is not None:
+                    by_outbox.setdefault(id(relay.outbox), (relay.outbox, []))[1].append(delta)
+                continue
             found = self._chunk(update)
             if found is None:
                 continue
@@ -94,6 +101,8 @@ class EngineLoop:
                 waiter.chunks.put(chunk)
             else:
                 by_loop.setdefault(waiter.loop, []).append((waiter, chunk))
+        for outbox, deltas in by_outbox.values():
+            outbox.send(deltas)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(put_all, items)
@@ -118,6 +127,37 @@ class EngineLoop:
         if update.finished:
             del self.waiters[req.rid]
         return waiter, chunk
+
+    def _delta(self, waiter: Waiter, update: Update) -> Delta | None:
+        """What an outbox gets of ``update``: the new ids and only the new logprobs."""
+        req = update.req
+        if not update.new_ids and not update.finished:
+            return None
+        delta: Delta = {"rid": req.rid, "ids": list(update.new_ids)}
+        meta: dict[str, Any] = {"cached_tokens": req.cached_tokens}
+        if req.return_logprob:
+            start, waiter.sent_logprobs = waiter.sent_logprobs, len(req.output_logprobs)
+            delta["logprobs"] = [
+                [lp, tok]
+                for lp, tok in zip(
+                    req.output_logprobs[start:], req.output_ids[start:], strict=False
+                )
+            ]
+            if req.top_logprobs_num:
+                delta["top_logprobs"] = [
+                    [[lp, tok] for lp, tok in step] for step in req.output_top_logprobs[start:]
+                ]
+        if update.finished:
+            del self.waiters[req.rid]
+            meta.update(
+                finish_reason=req.finish.as_dict() if req.finish else None,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids),
+            )
+            if self.speculative:
+                meta["spec_verify_ct"] = req.spec_verify_ct
+        delta["meta"] = meta
+        return delta
 
     def _meta(self, req: Request) -> dict[str, Any]:
         meta: dict[str, Any] = {

@@ -61,8 +61,11 @@ class Intake:
         stream: bool,
         rid: str | Sequence[str] | None,
         times: bool,
+        text: bool = True,
     ) -> tuple[bool, list[Request]]:
-        """The call's requests, in order, and whether it took a single prompt."""
+        """The call's requests, in order, and whether it took a single prompt.
+        ``text=False``: the caller decodes the ids itself, so a request without stop
+        strings gets no detokenizer here."""
         single, prompts = self._prompt_ids(prompt, input_ids)
         if stream and not single:
             raise ValueError("stream=True takes a single prompt (or input_ids list)")
@@ -86,7 +89,7 @@ class Intake:
         rids = self._request_ids(rid, parsed)
         self._check_speculative(parsed)
         reqs = [
-            self._request(copy, request_id, times)
+            self._request(copy, request_id, times, text)
             for item, ids in zip(parsed, rids, strict=True)
             for copy, request_id in zip(_copies(item), ids, strict=True)
         ]
@@ -171,12 +174,12 @@ class Intake:
             except ValueError as exc:
                 raise ValueError(f"request {i}: {exc}") from None
 
-    def _request(self, item: _Parsed, rid: str, times: bool) -> Request:
+    def _request(self, item: _Parsed, rid: str, times: bool, text: bool) -> Request:
         detok = (
             IncrementalDetokenizer(
                 self.tokenizer, item.prompt_ids, skip_special_tokens=item.params.skip_special_tokens
             )
-            if self.tokenizer is not None
+            if self.tokenizer is not None and (text or item.params.stop_strings)
             else None
         )
         req = Request(

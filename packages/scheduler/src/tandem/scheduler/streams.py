@@ -4,7 +4,8 @@ read them.
 A ``Waiter`` queues chunks for one request; ``ChunkStream`` reads them back, as a sync
 or an async iterator over the same rules (an error ends the stream with a
 ``RuntimeError``, the chunk carrying a ``finish_reason`` ends it normally), and
-``collect`` joins a request's chunks into its final result.
+``collect`` joins a request's chunks into its final result. An ``Outbox`` instead takes
+a whole step's news for many requests in one call (the server's scheduler process).
 """
 
 from __future__ import annotations
@@ -14,11 +15,27 @@ import contextlib
 import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.scheduler.request import Request
 
 Chunk = dict[str, Any]
+Delta = dict[str, Any]
+
+
+class Outbox(Protocol):
+    """Takes a step's deltas for all its requests at once, on the loop thread.
+
+    A delta holds a request's ``rid``, its new token ``ids``, only its new logprobs
+    (``logprobs``: ``[logprob, id]`` pairs; ``top_logprobs``: a list of those pairs per
+    token) and ``meta`` (``cached_tokens``; on the last delta also ``finish_reason``,
+    the token counts and ``spec_verify_ct``). No text: whoever reads the ids decodes
+    them, once."""
+
+    def send(self, deltas: list[Delta]) -> None: ...
+
+    def fail(self, rid: str, error: BaseException) -> None:
+        """The request ``rid`` ends with ``error`` (the engine stopped or failed)."""
 
 
 @dataclass
@@ -33,8 +50,12 @@ class Waiter:
     req: Request
     stream: bool = False
     loop: asyncio.AbstractEventLoop | None = None
+    outbox: Outbox | None = None
+    """Set: the request's deltas go to this outbox, with its step's others."""
     chunks: queue.Queue[Chunk | BaseException] = field(default_factory=queue.Queue)
     achunks: asyncio.Queue[Chunk | BaseException] | None = None
+    sent_logprobs: int = 0
+    """Logprobs already delivered through the outbox."""
 
     def __post_init__(self) -> None:
         if self.loop is not None:
@@ -42,6 +63,10 @@ class Waiter:
 
     def put(self, item: Chunk | BaseException) -> None:
         """Hand ``item`` to the consumer (called on the loop thread)."""
+        if self.outbox is not None:
+            assert isinstance(item, BaseException), "deltas go through EngineLoop._deliver"
+            self.outbox.fail(self.req.rid, item)
+            return
         if self.loop is None:
             self.chunks.put(item)
             return
