@@ -22,7 +22,7 @@ LAYERS = {
         "spec_eagle",
         ["tandem-core-futuremap", "tandem-scheduler"],
     ),
-    "server": ("tandem-server", "server", ["tandem-scheduler"]),
+    "server": ("tandem-server", "server", ["tandem-core-futuremap", "tandem-scheduler"]),
 }
 
 

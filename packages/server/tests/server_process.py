@@ -86,3 +86,34 @@ def metric_at_least(url: str, name: str, floor: float, timeout: float = 10.0) ->
         time.sleep(0.05)
         value = metric(url, name)
     return value
+
+
+def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """Every sample of ``/metrics`` (a labelled one under its name with its labels)."""
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=5)
+    response.raise_for_status()
+    samples = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def scheduler_pid(url: str, headers: dict[str, str]) -> int:
+    """The scheduler process's pid (``/get_server_info`` shows it only with the API key)."""
+    info = httpx.get(f"{url}/get_server_info", headers=headers, timeout=10).json()
+    return int(info["scheduler_pid"])
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie waits for its parent to reap it; it runs nothing.
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:  # gone meanwhile; or no /proc at all, and kill said alive
+        return not Path("/proc/self").exists()

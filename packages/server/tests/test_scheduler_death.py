@@ -14,7 +14,15 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_process import live_server
+from server_process import live_server, scrape
+
+KEY = "sk-scheduler-death"  # /get_server_info shows the scheduler's pid only with the key
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _scheduler_pid(url: str) -> int:
+    info = httpx.get(f"{url}/get_server_info", headers=AUTH, timeout=10).json()
+    return int(info["scheduler_pid"])
 
 
 def _alive(pid: int) -> bool:
@@ -28,18 +36,22 @@ def _alive(pid: int) -> bool:
 
 
 def test_killed_scheduler_fails_requests_and_health(tmp_path: Path) -> None:
-    with live_server(tmp_path) as server:
-        pid = httpx.get(f"{server.url}/get_server_info").json()["scheduler_pid"]
+    with live_server(tmp_path, "--api-key", KEY) as server:
+        pid = _scheduler_pid(server.url)
         body = {"prompt": "hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
         lines: list[str] = []
 
         def stream() -> None:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+            url = f"{server.url}/v1/completions"
+            with httpx.stream("POST", url, json=body, headers=AUTH, timeout=30) as r:
                 lines.extend(r.iter_lines())
 
         reader = threading.Thread(target=stream)
         reader.start()
         time.sleep(1.0)
+        before = scrape(server.url, AUTH)
+        assert before["tandem_scheduler_up"] == 1
+        assert "tandem_num_running_requests" in before
         os.kill(pid, signal.SIGKILL)
         reader.join(timeout=20)
         assert not reader.is_alive(), "the in-flight stream hung"
@@ -47,15 +59,21 @@ def test_killed_scheduler_fails_requests_and_health(tmp_path: Path) -> None:
         time.sleep(0.5)
         assert httpx.get(f"{server.url}/health").status_code == 503
         response = httpx.post(
-            f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10
-        )
+            f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+            headers=AUTH, timeout=10,
+        )  # fmt: skip
         assert response.status_code == 503
         assert "error" in response.json()
+        # The dead process's last figures are not reported as if current.
+        after = scrape(server.url, AUTH)
+        assert after["tandem_scheduler_up"] == 0
+        assert "tandem_num_running_requests" not in after
+        assert "tandem_kv_used_tokens" not in after
 
 
 def test_sigterm_leaves_no_orphan(tmp_path: Path) -> None:
-    with live_server(tmp_path) as server:
-        pid = httpx.get(f"{server.url}/get_server_info").json()["scheduler_pid"]
+    with live_server(tmp_path, "--api-key", KEY) as server:
+        pid = _scheduler_pid(server.url)
         server.proc.send_signal(signal.SIGTERM)
         # uvicorn re-raises the signal once its graceful shutdown is done.
         assert server.proc.wait(timeout=30) in (0, -signal.SIGTERM)

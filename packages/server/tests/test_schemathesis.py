@@ -1,8 +1,11 @@
-"""A bounded schemathesis run over ``/openapi.json`` against a live ``tandem serve``: no
-generated request (valid or not) may get a 5xx, and every 4xx carries OpenAI's error body.
+"""A bounded schemathesis run over ``/openapi.json`` against a live ``tandem serve``, with
+every check schemathesis has (``--checks all``: server errors; status codes, content
+types, headers and bodies against the schema; valid data accepted, invalid data refused;
+undeclared methods answered 405 with ``Allow``...) over all its phases, through its
+engine, which is what ``schemathesis run`` drives. Every 4xx must carry OpenAI's body.
 
-Generation stays fast: the test clamps the generated token budgets and ``n`` to small
-values before sending (the schema itself stays truthful about what the API accepts).
+Generation stays fast: valid requests get small token budgets, ``n`` and prompts before
+they are sent (still valid; the schema itself stays truthful about what the API accepts).
 """
 
 from __future__ import annotations
@@ -15,19 +18,34 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import CHECKS, CheckContext, load_all_checks
 from schemathesis.config import SchemathesisConfig
-from schemathesis.generation import GenerationMode
+from schemathesis.engine import Status, events
+from schemathesis.hooks import GLOBAL_HOOK_DISPATCHER, HookContext
 
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server
 
 MAX_TOKENS = 3
 MAX_N = 2
+MAX_PROMPT_IDS = 8
 TIMEOUT_S = 30
-MAX_EXAMPLES = 60
-CONFIG = SchemathesisConfig.from_dict({"seed": 5})
+MAX_EXAMPLES = 80
+CONFIG = SchemathesisConfig.from_dict(
+    {
+        "seed": 5,
+        "workers": 1,
+        "checks": {"enabled": True},
+        "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
+        "phases": {
+            "examples": {"enabled": True},
+            "coverage": {"enabled": True},
+            "fuzzing": {"enabled": True},
+            "stateful": {"enabled": True},
+        },
+        "request-timeout": TIMEOUT_S,
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +65,16 @@ def _small(value: Any, limit: int) -> Any:
     return value
 
 
+def _short_ids(value: Any) -> Any:
+    """A token-id list cut to a few ids (a list of strings or lists is left alone)."""
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        return value[:MAX_PROMPT_IDS]
+    return value
+
+
 def _clamp(path: str, body: Any) -> None:
-    """Keep generation short: small token budgets and ``n`` (bad types are left alone)."""
+    """Keep generation short: small token budgets, ``n``, prompts. Only for valid bodies,
+    which stay valid (a smaller budget or prompt cannot make one invalid)."""
     if not isinstance(body, dict):
         return
     if path == "/generate":
@@ -56,8 +82,10 @@ def _clamp(path: str, body: Any) -> None:
         if isinstance(params, dict):
             params.setdefault("max_new_tokens", MAX_TOKENS)
             params["max_new_tokens"] = _small(params["max_new_tokens"], MAX_TOKENS)
-        elif params is None or params == {}:
+        elif params is None:
             body["sampling_params"] = {"max_new_tokens": MAX_TOKENS}
+        if "input_ids" in body:
+            body["input_ids"] = _short_ids(body["input_ids"])
         return
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS
@@ -67,17 +95,32 @@ def _clamp(path: str, body: Any) -> None:
     if "n" in body:
         body["n"] = _small(body["n"], MAX_N)
     prompt = body.get("prompt")
-    if (
-        isinstance(prompt, list)
-        and len(prompt) > MAX_N
-        and not all(isinstance(p, int) for p in prompt)
-    ):
-        body["prompt"] = prompt[:MAX_N]
+    if isinstance(prompt, list):
+        prompt = _short_ids(prompt)
+        if not all(isinstance(p, int) for p in prompt):
+            prompt = [_short_ids(p) for p in prompt[:MAX_N]]
+        body["prompt"] = prompt
 
 
-def _check_error_body(response: Any) -> None:
+@pytest.fixture
+def clamped() -> Iterator[None]:
+    def before_call(context: HookContext, case: schemathesis.Case, kwargs: dict[str, Any]) -> None:
+        meta = case.meta
+        if case.method.upper() == "POST" and meta is not None and meta.generation.mode.is_positive:
+            _clamp(case.path, case.body)
+
+    schemathesis.hook(before_call)
+    try:
+        yield
+    finally:
+        GLOBAL_HOOK_DISPATCHER.unregister(before_call)
+
+
+@schemathesis.check
+def openai_error_body(ctx: Any, response: Any, case: schemathesis.Case) -> bool | None:
+    """Every 4xx carries OpenAI's error body."""
     if not 400 <= response.status_code < 500:
-        return
+        return None
     payload = response.json()
     assert isinstance(payload, dict), payload
     assert set(payload) == {"error"}, payload
@@ -87,34 +130,44 @@ def _check_error_body(response: Any) -> None:
     assert isinstance(error["message"], str), payload
     assert error["message"], payload
     assert isinstance(error["type"], str), payload
+    return None
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_no_server_errors(
-    api_schema: schemathesis.BaseSchema, server: LiveServer, mode: GenerationMode
-) -> None:
-    operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) >= 7
-    for operation in operations:
-        if mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET":
-            continue  # no parameters to make invalid
+def test_every_check_is_on(api_schema: schemathesis.BaseSchema) -> None:
+    load_all_checks()
+    operation = next(iter(api_schema.get_all_operations())).ok()
+    config = api_schema.config.checks_config_for(operation=operation, phase=None)
+    ctx = CheckContext(None, None, None, config, None, response_checks=None)
+    functions = {c.__name__ for c in CHECKS.get_all() if not isinstance(c, type)}
+    assert functions <= {c.__name__ for c in ctx.internals.checks}
+    assert {"positive_data_acceptance", "unsupported_method", "openai_error_body"} <= functions
 
-        @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(
-            max_examples=MAX_EXAMPLES,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-        def run(case: schemathesis.Case) -> None:
-            if case.method.upper() == "POST":
-                _clamp(case.path, case.body)
-            response = case.call(base_url=server.url, timeout=TIMEOUT_S)
-            case.validate_response(response, checks=[not_a_server_error])
-            _check_error_body(response)
 
-        run()
+def test_api_conforms(api_schema: schemathesis.BaseSchema, clamped: None) -> None:
+    problems: list[str] = []
+    scenarios = 0
+    for event in schemathesis.engine.from_schema(api_schema).execute():
+        if isinstance(event, events.ScenarioFinished | events.FuzzScenarioFinished):
+            scenarios += 1
+            for case_id, nodes in event.recorder.checks.items():
+                for node in nodes:
+                    if node.status is Status.SUCCESS:
+                        continue
+                    case = event.recorder.cases[case_id].value
+                    sent = f"{case.method} {case.path} {case.body!r:.600}"
+                    info = node.failure_info
+                    detail = f"{info.failure.title}: {info.failure.message}" if info else "error"
+                    interaction = event.recorder.interactions.get(case_id)
+                    answer = interaction.response if interaction is not None else None
+                    got = answer.content[:300].decode(errors="replace") if answer else ""
+                    problems.append(f"{node.name} on {sent}\n  {detail:.1500}\n  got: {got}")
+        elif isinstance(event, events.NonFatalError):
+            problems.append(f"error in {event.label}: {event.value!r}")
+        elif isinstance(event, events.FatalError):
+            problems.append(f"fatal: {event.exception!r}")
+    assert scenarios > 0
+    unique = list(dict.fromkeys(problems))
+    assert not unique, f"{len(unique)} problems:\n" + "\n".join(unique[:15])
 
 
 def test_every_route_is_described(api_schema: schemathesis.BaseSchema) -> None:
@@ -136,7 +189,11 @@ def test_every_route_is_described(api_schema: schemathesis.BaseSchema) -> None:
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "top_k": 2**70}, "top_k"),
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1, "seed": -(2**64)}, "seed"),
         ("/v1/completions", {"prompt": [1], "max_tokens": 1, "n": 2, "seed": 2**63 - 1}, "seed"),
-        ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 2**64}}, "top_k"),
+        (
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"top_k": 2**64}},
+            "sampling_params.top_k",
+        ),
     ],
 )
 def test_out_of_int64_is_a_400(server: LiveServer, path: str, body: Any, param: str) -> None:

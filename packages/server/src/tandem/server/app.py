@@ -6,23 +6,23 @@ scheduler process only ever sees token ids and sampling params.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.scheduler.tokenizer import Tokenizer
-from tandem.server import openapi_schemas, parsing
+from tandem.server import openapi_schemas, parsing, prepare
 from tandem.server.config import ServerConfig
-from tandem.server.lifecycle import Lifecycle
 from tandem.server.errors import APIError, error_body, install_handlers
+from tandem.server.front_door import authenticated, install_front_door, public_info
 from tandem.server.generation import (
     Choice,
     ClosingStreamingResponse,
@@ -34,8 +34,10 @@ from tandem.server.generation import (
     until_disconnect,
     with_first,
 )
+from tandem.server.lifecycle import Lifecycle
 from tandem.server.metrics import Metrics
 from tandem.server.parsing import Job, Limits
+from tandem.server.prepare import Preparer
 from tandem.server.scheduler_client import SchedulerClient
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -51,6 +53,7 @@ class ServerState:
     model_name: str
     config: ServerConfig
     lifecycle: Lifecycle
+    preparer: Preparer
 
 
 def served_name(engine_kwargs: dict[str, Any], served_model_name: str | None) -> str:
@@ -68,9 +71,11 @@ def ready_line(app: FastAPI, url: str) -> str:
 
 def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
-    client = SchedulerClient(engine_kwargs)
-    holder: dict[str, ServerState] = {}
     lifecycle = Lifecycle()
+    client = SchedulerClient(
+        engine_kwargs, watchdog_timeout_s=config.watchdog_timeout, on_hung=lifecycle.give_up
+    )
+    holder: dict[str, ServerState] = {}
     model_name = served_name(engine_kwargs, config.served_model_name)
 
     @contextlib.asynccontextmanager
@@ -81,32 +86,63 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
             await client.close()
             raise
         info = client.info
-        path = Path(engine_kwargs.get("tokenizer_path") or info["model_path"])
-        tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
-        metrics = Metrics(lambda: client.info)
+        tokenizer = client.tokenizer
+        metrics = Metrics(lambda: client.info, lambda: client.alive)
         client.finished_listeners.append(metrics.on_finished)
-        limits = Limits(int(info["vocab_size"]), int(info["context_length"]))
+        limits = Limits(
+            int(info["vocab_size"]), int(info["context_length"]), prepare.max_token_chars(tokenizer)
+        )
+        preparer = Preparer(config.tokenizer_workers)
         holder["state"] = ServerState(
-            client, metrics, tokenizer, limits, model_name, config, lifecycle
+            client, metrics, tokenizer, limits, model_name, config, lifecycle, preparer=preparer
         )
         instance.state.tandem = holder["state"]
         try:
             yield
         finally:
+            preparer.shutdown()
             await client.close()
 
     app = FastAPI(title="tandem", lifespan=lifespan)
     app.state.lifecycle = lifecycle
     install_handlers(app)
+    openapi_schemas.document(
+        app, lambda: holder["state"].limits if "state" in holder else None, config.max_choices
+    )
+    install_front_door(app, config, lifecycle)
 
     def state() -> ServerState:
         return holder["state"]
 
-    @app.get("/health", openapi_extra=openapi_schemas.UNAVAILABLE)
+    @app.get("/health", openapi_extra=openapi_schemas.HEALTH)
     async def health() -> Response:
-        if "state" not in holder or not client.alive:
-            return JSONResponse(error_body("the scheduler is not running", 503), 503)
-        return Response(status_code=200)
+        """200 while the scheduler answers and the server takes requests; else 503
+        (draining, hung or dead), so a load balancer stops sending."""
+        if "state" not in holder or not client.alive or not lifecycle.accepting:
+            reason = (
+                "the server is shutting down" if lifecycle.draining
+                else f"the scheduler is not responding ({lifecycle.hung})" if lifecycle.hung
+                else "the scheduler is not running"
+            )  # fmt: skip
+            return JSONResponse(error_body(reason, 503), 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate", openapi_extra=openapi_schemas.UNAVAILABLE)
+    async def health_generate(request: Request) -> Response:
+        """SGLang's deeper check: a one-token generation through the whole path."""
+        st = state()
+        jobs = parsing.expand(
+            [[0]], {"max_new_tokens": 1, "temperature": 0}, 1, st.limits, False, 0
+        )
+        try:
+            await asyncio.wait_for(
+                collect(st.client, st.metrics, jobs, request), st.config.watchdog_timeout
+            )
+        except TimeoutError:
+            return JSONResponse(error_body("a one-token generation timed out", 503), 503)
+        except APIError as exc:
+            return JSONResponse(error_body(exc.message, 503), 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -125,8 +161,9 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
         }
 
     @app.get("/get_server_info")
-    async def server_info() -> dict[str, Any]:
-        return {**client.info, "scheduler_alive": client.alive}
+    async def server_info(request: Request) -> dict[str, Any]:
+        info = {**client.info, "scheduler_alive": client.alive}
+        return info if authenticated(request) else public_info(info)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -138,20 +175,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     )
     async def completions(request: Request) -> Response:
         st = state()
-        body = parsing.ensure_object(await _json(request))
-        _check_model(st, body)
-        prompts = _completion_prompts(st, body.get("prompt"))
-        if parsing._bool(body, "echo"):
-            raise APIError("echo is not supported", param="echo")
-        n = parsing.choices_count(body)
-        params = parsing.sampling_from_openai(body)
-        top = parsing._typed(body, "logprobs", int, "an integer")
-        if top is not None and not 0 <= top <= parsing.MAX_TOP_LOGPROBS:
-            raise APIError("logprobs must be in [0, 20]", param="logprobs")
-        jobs = parsing.expand(
-            prompts, params, n, st.limits, top is not None, top or 0,
-            default_max=_COMPLETIONS_DEFAULT_MAX_TOKENS,
-        )  # fmt: skip
+        body, jobs = await st.preparer.run(_prepare_completion, st, await request.body())
         return await _respond(st, request, body, jobs, chat=False)
 
     @app.post(
@@ -162,18 +186,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     )
     async def chat_completions(request: Request) -> Response:
         st = state()
-        body = parsing.ensure_object(await _json(request))
-        _check_model(st, body)
-        ids = _chat_prompt(st, body)
-        n = parsing.choices_count(body)
-        params = parsing.sampling_from_openai(body)
-        want = parsing._bool(body, "logprobs")
-        top = parsing._typed(body, "top_logprobs", int, "an integer", 0)
-        if not 0 <= top <= parsing.MAX_TOP_LOGPROBS:
-            raise APIError("top_logprobs must be in [0, 20]", param="top_logprobs")
-        if top and not want:
-            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-        jobs = parsing.expand([ids], params, n, st.limits, want, top)
+        body, jobs = await st.preparer.run(_prepare_chat, st, await request.body())
         return await _respond(st, request, body, jobs, chat=True)
 
     @app.post(
@@ -181,51 +194,78 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     )
     async def generate(request: Request) -> Response:
         st = state()
-        body = parsing.ensure_object(await _json(request))
-        return await _native(st, request, body)
+        body, jobs = await st.preparer.run(_prepare_native, st, await request.body())
+        return await _native(st, request, body, jobs)
 
     return app
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"the body is not valid JSON: {exc}") from None
+def _json(raw: bytes) -> dict[str, Any]:
+    return parsing.ensure_object(parsing.load_json(raw))
 
 
 def _check_model(st: ServerState, body: dict[str, Any]) -> None:
     """A request names the served model or none (SGLang accepts a missing ``model``)."""
     model = parsing._typed(body, "model", str, "a string")
     if model is not None and model != st.model_name:
+        shown = model if len(model) <= 100 else model[:97] + "..."
         raise APIError(
-            f"The model `{model}` does not exist.", status=404, param="model",
+            f"The model `{shown}` does not exist.", status=404, param="model",
             code="model_not_found",
         )  # fmt: skip
 
 
-def _encode(st: ServerState, text: str, param: str, special: bool = True) -> list[int]:
+def _encode(
+    st: ServerState, texts: list[str], params: list[str], special: bool = True
+) -> list[list[int]]:
+    """Token ids of each text; ``params[i]`` names text i in errors. A text too long to
+    fit in the context is refused before it is tokenized."""
     if st.tokenizer is None:
-        raise APIError("this model has no tokenizer: send token ids", param=param)
-    return st.tokenizer.encode(text, add_special_tokens=special)
+        raise APIError("this model has no tokenizer: send token ids", param=params[0])
+    for text, param in zip(texts, params, strict=True):
+        parsing.check_text_length(text, st.limits, param)
+    return prepare.encode(st.tokenizer, texts, special)
 
 
-def _completion_prompts(st: ServerState, prompt: Any) -> list[list[int]]:
+def _completion_prompts(st: ServerState, prompt: Any, n: int) -> list[list[int]]:
     if prompt is None:
         raise APIError("prompt is required", param="prompt")
+    texts: list[str] = []
     if isinstance(prompt, str):
-        prompts = [_encode(st, prompt, "prompt")]
+        texts, params = [prompt], ["prompt"]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [_encode(st, p, "prompt") for p in prompt]
+        texts, params = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]
+        prompts, params = [prompt], ["prompt"]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [list(p) for p in prompt]
+        prompts, params = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
     else:
         raise APIError("prompt must be a string, a list of strings, or token ids", param="prompt")
-    for ids in prompts:
-        parsing.check_ids(ids, st.limits, "prompt")
+    parsing.check_fan_out(len(params), n, st.config.max_choices)
+    if texts:
+        prompts = _encode(st, texts, params)
+    for ids, param in zip(prompts, params, strict=True):
+        parsing.check_ids(ids, st.limits, param)
     return prompts
+
+
+def _message_text(content: Any, where: str) -> str:
+    """A message's content as one text; ``where`` (``messages[i].content``) names it."""
+    if content is None:
+        raise APIError(f"{where} is required and may not be null", param=where)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(f"{where} must be a string or a list of text parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise APIError(f"{where}[{j}]: only text content is supported", param=f"{where}[{j}]")
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise APIError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
+        parts.append(text)
+    return "".join(parts)
 
 
 def _chat_prompt(st: ServerState, body: dict[str, Any]) -> list[int]:
@@ -234,21 +274,12 @@ def _chat_prompt(st: ServerState, body: dict[str, Any]) -> list[int]:
         raise APIError("messages must be a non-empty list", param="messages")
     clean = []
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise APIError(f"messages[{i}] must be an object with a role", param="messages")
-        content = msg.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise APIError(
-                        f"messages[{i}]: only text content is supported", param="messages"
-                    )
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
-        elif content is not None and not isinstance(content, str):
-            raise APIError(f"messages[{i}].content must be a string", param="messages")
-        clean.append({**msg, "content": content})
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise APIError(f"{where} must be an object", param=where)
+        if not isinstance(msg.get("role"), str):
+            raise APIError(f"{where}.role must be a string", param=f"{where}.role")
+        clean.append({**msg, "content": _message_text(msg.get("content"), f"{where}.content")})
     if st.tokenizer is None or st.tokenizer.chat_template is None:
         raise APIError("this model has no chat template", param="messages")
     try:
@@ -256,9 +287,66 @@ def _chat_prompt(st: ServerState, body: dict[str, Any]) -> list[int]:
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
         raise APIError(f"the chat template failed: {exc}", param="messages") from None
     # The rendered template carries its own special tokens (BOS included).
-    ids = _encode(st, text, "messages", special=False)
+    ids = _encode(st, [text], ["messages"], special=False)[0]
     parsing.check_ids(ids, st.limits, "messages")
     return ids
+
+
+# -- preparation: run on the Preparer's threads, never on the event loop ------------------------
+def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
+    body = _json(raw)
+    _check_model(st, body)
+    if parsing._bool(body, "echo"):
+        raise APIError("echo is not supported", param="echo")
+    n = parsing.choices_count(body)
+    params = parsing.sampling_from_openai(body, st.limits)
+    top = parsing.int_in(body, "logprobs", 0, parsing.MAX_TOP_LOGPROBS)
+    prompts = _completion_prompts(st, parsing.integral_ids(body.get("prompt")), n)
+    jobs = parsing.expand(
+        prompts, params, n, st.limits, top is not None, top or 0,
+        default_max=_COMPLETIONS_DEFAULT_MAX_TOKENS,
+    )  # fmt: skip
+    return body, jobs
+
+
+def _prepare_chat(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
+    body = _json(raw)
+    _check_model(st, body)
+    n = parsing.choices_count(body)
+    parsing.check_fan_out(1, n, st.config.max_choices)
+    params = parsing.sampling_from_openai(body, st.limits)
+    want = parsing._bool(body, "logprobs")
+    top = parsing.int_in(body, "top_logprobs", 0, parsing.MAX_TOP_LOGPROBS, 0)
+    if top and not want:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    ids = _chat_prompt(st, body)
+    return body, parsing.expand([ids], params, n, st.limits, want, top)
+
+
+def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
+    body = _json(raw)
+    text, input_ids = body.get("text"), parsing.integral_ids(body.get("input_ids"))
+    if (text is None) == (input_ids is None):
+        raise APIError("pass exactly one of text and input_ids", param="text")
+    params = parsing.native_sampling(body.get("sampling_params"))
+    want = parsing._bool(body, "return_logprob")
+    top = parsing.int_in(body, "top_logprobs_num", 0, parsing.MAX_TOP_LOGPROBS, 0)
+    if parsing._typed(body, "rid", str, "a string") == "":
+        raise APIError("rid must not be empty", param="rid")
+    parsing._bool(body, "stream")
+    if text is not None:
+        if not isinstance(text, str) or not text:
+            raise APIError("text must be a non-empty string", param="text")
+        ids, param = _encode(st, [text], ["text"])[0], "text"
+    else:
+        if not isinstance(input_ids, list):
+            raise APIError("input_ids must be a list of token ids", param="input_ids")
+        ids, param = input_ids, "input_ids"
+    parsing.check_ids(ids, st.limits, param)
+    jobs = parsing.expand(
+        [ids], params, 1, st.limits, want, top, default_max=128, prefix="sampling_params."
+    )
+    return body, jobs
 
 
 # -- OpenAI responses --------------------------------------------------------------------------
@@ -366,8 +454,7 @@ async def _respond(
                         continue
                     yield frame([_delta_choice(st, event, chat)])
         except Exception as exc:  # noqa: BLE001 - reported in-band, then the stream ends
-            err = as_api_error(exc)
-            yield f"data: {json.dumps(err.body())}\n\n"
+            yield f"data: {json.dumps(as_api_error(exc).body())}\n\ndata: [DONE]\n\n"
             return
         if include_usage:
             yield frame([], _usage(jobs, completion))
@@ -411,31 +498,11 @@ def _choice(
 
 
 # -- SGLang's native /generate -------------------------------------------------------------------
-async def _native(st: ServerState, request: Request, body: dict[str, Any]) -> Response:
-    text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise APIError("pass exactly one of text and input_ids", param="text")
-    if text is not None:
-        if not isinstance(text, str) or not text:
-            raise APIError("text must be a non-empty string", param="text")
-        ids = _encode(st, text, "text")
-    else:
-        if not isinstance(input_ids, list):
-            raise APIError("input_ids must be a list of token ids", param="input_ids")
-        ids = list(input_ids)
-    parsing.check_ids(ids, st.limits, "text" if text is not None else "input_ids")
-    raw = body.get("sampling_params") or {}
-    if not isinstance(raw, dict):
-        raise APIError("sampling_params must be an object", param="sampling_params")
-    raw = dict(raw)
-    n = raw.pop("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n != 1:
-        raise APIError("/generate takes n=1", param="sampling_params.n")
-    raw.setdefault("max_new_tokens", min(128, st.limits.context_length - len(ids)))
-    want = parsing._bool(body, "return_logprob")
-    top = parsing._typed(body, "top_logprobs_num", int, "an integer", 0)
-    rid = parsing._typed(body, "rid", str, "a string")
-    jobs = parsing.expand([ids], raw, 1, st.limits, want, top)
+async def _native(
+    st: ServerState, request: Request, body: dict[str, Any], jobs: list[Job]
+) -> Response:
+    want = jobs[0].return_logprob
+    rid = body.get("rid")
     if not parsing._bool(body, "stream"):
         choice = (await collect(st.client, st.metrics, jobs, request, rid))[0]
         return JSONResponse(_native_result(choice.text, choice.ids, choice, want))
@@ -449,7 +516,7 @@ async def _native(st: ServerState, request: Request, body: dict[str, Any]) -> Re
                     acc.add(event)
                     yield f"data: {json.dumps(_native_result(acc.text, acc.ids, acc, want))}\n\n"
         except Exception as exc:  # noqa: BLE001 - reported in-band
-            yield f"data: {json.dumps(as_api_error(exc).body())}\n\n"
+            yield f"data: {json.dumps(as_api_error(exc).body())}\n\ndata: [DONE]\n\n"
             return
         yield "data: [DONE]\n\n"
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.server import bench
+from tandem.server.config import default_api_key
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _WORDS = ("the", "model", "serves", "tokens", "quickly", "and", "with", "care", "a", "batch")
@@ -47,6 +48,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--endpoint", choices=tuple(ENDPOINTS), default="completions", help="(default: completions)"
     )
     parser.add_argument("--model", help="model name sent (default: the first of /v1/models)")
+    parser.add_argument(
+        "--api-key", help="sent as Authorization: Bearer (default: the TANDEM_API_KEY variable)"
+    )
     parser.add_argument(
         "--tokenizer-path",
         help="checkpoint folder or tokenizer.json (default: the served model's, for a tandem "
@@ -283,7 +287,11 @@ async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     base = args.base_url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    key = args.api_key or default_api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, trust_env=False, headers=headers
+    ) as client:
         try:
             models = await _models(client, base)
         except (httpx.HTTPError, ValueError) as exc:

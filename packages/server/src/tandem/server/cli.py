@@ -12,11 +12,10 @@ import argparse
 import contextlib
 import dataclasses
 import re
-import socket
 import sys
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -178,27 +177,9 @@ def _check(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
             parser.error(f"argument --model-path: no config.json in {kwargs['model_path']}")
 
 
-class ReadyServer(uvicorn.Server):
-    """uvicorn's server, printing ``ready(url)`` to stderr once it listens: the scheduler
-    process is up by then, since uvicorn runs the app's lifespan before it binds."""
-
-    def __init__(self, config: uvicorn.Config, ready: Callable[[str], str]) -> None:
-        super().__init__(config)
-        self.ready = ready
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started and not self.should_exit:
-            print(self.ready(self.url()), file=sys.stderr, flush=True)
-
-    def url(self) -> str:
-        port = self.servers[0].sockets[0].getsockname()[1]
-        host = self.config.host
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from tandem.server.app import create_app, ready_line
+    from tandem.server.http_server import CLOSE_GRACE_S, TandemServer
 
     kwargs = engine_kwargs(args)
     _check(parser, kwargs)
@@ -214,15 +195,19 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         host=config.host,
         port=config.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=CLOSE_GRACE_S,
         access_log=False,
     )
-    server = ReadyServer(uv_config, lambda url: ready_line(app, url))
-    # uvicorn shuts down cleanly on Ctrl-C (SIGINT), then raises the signal again in
-    # the caller; a stop the user asked for is not an error.
+    server = TandemServer(
+        uv_config,
+        lambda url: ready_line(app, url),
+        app.state.lifecycle,
+        lambda: app.state.tandem.client if hasattr(app.state, "tandem") else None,
+        config.graceful_shutdown_timeout,
+    )
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
-    return 0 if server.started else 1
+    return app.state.lifecycle.exit_code if server.started else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +30,7 @@ from tandem.server.metrics import Metrics
 from tandem.server.parsing import Job
 from tandem.server.scheduler_client import RequestFailed, SchedulerClient, SchedulerUnavailable
 
-_DONE = object()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,64 +112,68 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), status=503)
     if isinstance(exc, RequestFailed):
         return APIError(str(exc), status=400 if exc.invalid else 500)
-    return APIError(f"generation failed: {exc}", status=500)
+    # Never echo an unexpected exception's text to a client: it names internals.
+    request_id = uuid.uuid4().hex
+    log.error("generation failed (id %s)", request_id, exc_info=exc)
+    return APIError(
+        f"generation failed; the server log has the details under id {request_id}", status=500
+    )
 
 
 async def run_jobs(
     client: SchedulerClient, metrics: Metrics, jobs: list[Job], rid: str | None = None
 ) -> AsyncIterator[Event]:
-    """Merged events of all jobs; raises the first job's failure."""
+    """Merged events of all jobs; raises the first failure. Each job runs under a rid
+    of this process's making (``rid`` itself for a single job that names one), so
+    the scheduler needs no id map of its own."""
     if not client.alive:
         raise SchedulerUnavailable("the scheduler process is not running")
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def one(job: Job) -> None:
-        start = last = time.perf_counter()
-        first = True
-        text = TextStream(client.tokenizer, job)
-        try:
-            job_rid = rid if rid is not None and len(jobs) == 1 else None
-            stream = client.generate(
-                job.prompt_ids, job.params, job.return_logprob, job.top_logprobs_num, job_rid
-            )
-            async with contextlib.aclosing(stream) as chunks:
-                async for msg in chunks:
-                    now = time.perf_counter()
-                    if msg["ids"]:
-                        (metrics.ttft if first else metrics.itl).observe(now - last)
-                        first, last = False, now
-                    finish = msg["meta"].get("finish_reason")
-                    msg = {**msg, "text": text.step(list(msg["ids"]), finish)}
-                    await queue.put((job.index, msg))
-            metrics.e2e.observe(time.perf_counter() - start)
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((job.index, exc))
-        finally:
-            await queue.put((job.index, _DONE))
-
+    base = uuid.uuid4().hex
+    wire = [
+        {
+            "rid": rid if rid is not None and len(jobs) == 1 else f"{base}-{job.index}",
+            "input_ids": job.prompt_ids,
+            "params": job.params,
+            "return_logprob": job.return_logprob,
+            "top_logprobs_num": job.top_logprobs_num,
+        }
+        for job in jobs
+    ]
+    texts = [TextStream(client.tokenizer, job) for job in jobs]
+    start = time.perf_counter()
+    last = [start] * len(jobs)
+    counts = [0] * len(jobs)
     metrics.inflight.inc()
-    tasks = [asyncio.create_task(one(job)) for job in jobs]
     try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
+        async with contextlib.aclosing(client.stream(wire)) as deltas:
+            async for position, delta in deltas:
+                job = jobs[position]
+                ids = delta["ids"]
+                meta = delta["meta"]
+                finish = meta.get("finish_reason")
+                now = time.perf_counter()
+                if ids:
+                    latency = metrics.itl if counts[position] else metrics.ttft
+                    latency.observe(now - last[position])
+                    last[position] = now
+                    counts[position] += len(ids)
+                if finish is not None:
+                    metrics.e2e.observe(now - start)
                 yield Event(
-                    index,
-                    item["text"],
-                    item["ids"],
-                    item.get("logprobs") or [],
-                    item.get("top_logprobs") or [],
-                    item["meta"],
+                    job.index,
+                    texts[position].step(ids, finish),
+                    ids,
+                    delta.get("logprobs") or [],
+                    delta.get("top_logprobs") or [],
+                    {
+                        "id": wire[position]["rid"],
+                        "finish_reason": finish,
+                        "prompt_tokens": len(job.prompt_ids),
+                        "completion_tokens": counts[position],
+                        **meta,
+                    },
                 )
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         metrics.inflight.dec()
 
 
@@ -187,21 +193,21 @@ async def collect(
                 choices[event.index].add(event)
 
     task = asyncio.create_task(gather())
+    gone = asyncio.create_task(_wait_disconnect(request))
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                break
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            # The client left: closing the jobs' iterator aborts them all at once.
+            await _cancel_and_wait(task)
+            raise APIError("the client disconnected", status=499)
         try:
-            await task
-        except asyncio.CancelledError:
-            raise APIError("the client disconnected", status=499) from None
+            task.result()
         except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status
             raise as_api_error(exc) from None
     finally:
+        await _cancel_and_wait(gone)
         if not task.done():
-            task.cancel()
+            await _cancel_and_wait(task)
     return [choices[i] for i in sorted(choices)]
 
 

@@ -4,7 +4,8 @@ object, so they cannot disagree about whether a new request is welcome."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -15,6 +16,14 @@ class Lifecycle:
     """Why the watchdog gave up on the scheduler (``None`` while it is trusted)."""
     exit_code: int = 0
     """What ``tandem serve`` exits with (non-zero after the watchdog fired)."""
+    request_exit: Callable[[], None] = field(default=lambda: None, repr=False)
+    """Asks the HTTP server to stop (``tandem serve`` sets it; a no-op otherwise)."""
+
+    def give_up(self, reason: str) -> None:
+        """The watchdog declared the scheduler hung: refuse everything, exit non-zero."""
+        self.hung = reason
+        self.exit_code = 1
+        self.request_exit()
 
     @property
     def accepting(self) -> bool:

@@ -4,7 +4,8 @@ Latencies and token counts are measured here, in the API process, where a client
 them. Scheduler figures (running and queued requests, KV usage, device busy and idle
 time, overshoot steps) come from the engine's ``get_server_info()``, which the scheduler
 process pushes a few times a second; a collector turns the latest copy into samples at
-scrape time, so there is no second bookkeeping that could drift.
+scrape time, so there is no second bookkeeping that could drift. Once the scheduler is
+dead or hung, only ``tandem_scheduler_up 0`` remains of them.
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ _LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, info: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, info: Callable[[], dict[str, Any]], up: Callable[[], bool]) -> None:
         self._info = info
+        self._up = up
 
     def collect(self) -> Iterator[Metric]:
+        up = self._up()
+        yield GaugeMetricFamily(
+            "tandem_scheduler_up", "1 while the scheduler process answers, else 0 (alert on it)",
+            value=1.0 if up else 0.0,
+        )  # fmt: skip
         info = self._info()
-        if not info:
-            return
+        if not up or not info:
+            return  # a dead or hung scheduler's last figures would be stale
         capacity = int(info.get("max_total_tokens") or 0)
         free = int(info.get("available_kv_tokens") or 0)
         cached = int(info.get("cached_kv_tokens") or 0)
@@ -64,7 +71,7 @@ class _EngineCollector(Collector):
 class Metrics:
     """Every metric of one server, in a registry of its own."""
 
-    def __init__(self, info: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, info: Callable[[], dict[str, Any]], up: Callable[[], bool]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -85,7 +92,7 @@ class Metrics:
             "tandem_e2e_request_latency_seconds", "request latency, end to end",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        r.register(_EngineCollector(info))
+        r.register(_EngineCollector(info, up))
 
     def on_finished(self, meta: dict[str, Any]) -> None:
         """Count a request the scheduler finished (whoever was still listening)."""

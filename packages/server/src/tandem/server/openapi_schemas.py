@@ -1,24 +1,37 @@
-"""JSON schemas of the request bodies, for ``/openapi.json`` only.
+"""JSON schemas of the request bodies and the answers, for ``/openapi.json`` only.
 
 The routes read raw JSON and ``parsing`` validates it (so that a bad field is an
 OpenAI-shaped 400 naming it); these schemas never validate anything at run time. They
-describe what the parser accepts, with its types and ranges, for clients and
-schema-driven fuzzers. Bounds that depend on the loaded model (token ids, prompt
-length) are checked at run time only. See docs/guides/serving.md, "The request
-schema".
+describe what the parser accepts, with its types and ranges, and the statuses each route
+answers, for clients and schema-driven fuzzers. Bounds of the loaded model (vocabulary,
+context length) and of the server's options (``max_choices``) are filled in by
+``document``. See docs/guides/serving.md, "The request schema".
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from tandem.server.parsing import Limits
 
 MAX_N = 128  # parsing.MAX_N
 MAX_TOP_LOGPROBS = 20  # parsing.MAX_TOP_LOGPROBS
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # parsing's bounds on top_k and seed
+INT_LOW, INT_HIGH = -(9 * 10**18), 9 * 10**18  # parsing's bounds on top_k and seeds
+
+# A schema carrying this key gets a bound ``document`` knows once the server runs:
+# token_id: maximum vocab_size - 1; tokens: maximum context_length - 1; prompt: maxItems
+# context_length - 1; choices: maxItems max_choices.
+_BOUND = "x-tandem-bound"
 
 _NUMBER: dict[str, Any] = {"type": "number"}
-_TOKEN_ID: dict[str, Any] = {"type": "integer", "minimum": 0}
-_TOKEN_IDS: dict[str, Any] = {"type": "array", "items": _TOKEN_ID, "minItems": 1}
+_TOKEN_ID: dict[str, Any] = {"type": "integer", "minimum": 0, _BOUND: "token_id"}
+_TOKEN_IDS: dict[str, Any] = {"type": "array", "items": _TOKEN_ID, "minItems": 1, _BOUND: "prompt"}
+_MAX_TOKENS: dict[str, Any] = {"type": "integer", "minimum": 0, _BOUND: "tokens"}
 _STOP: dict[str, Any] = {
     "description": "Stop string(s); empty strings are ignored.",
     "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
@@ -26,13 +39,13 @@ _STOP: dict[str, Any] = {
 _PENALTY: dict[str, Any] = {"type": "number", "minimum": -2, "maximum": 2}
 _NULLABLE_BOOL: dict[str, Any] = {"type": ["boolean", "null"]}
 _TOP_K: dict[str, Any] = {
-    "type": "integer", "minimum": -1, "maximum": INT64_MAX, "description": "-1 or 0: off.",
+    "type": "integer", "minimum": -1, "maximum": INT_HIGH, "description": "-1 or 0: off.",
 }  # fmt: skip
 _SEED: dict[str, Any] = {
     "type": "integer",
-    "minimum": INT64_MIN,
-    "maximum": INT64_MAX,
-    "description": "Choice i is sampled with seed + i, which must fit in 64 bits too.",
+    "minimum": INT_LOW,
+    "maximum": INT_HIGH,
+    "description": "Choice i is sampled with seed + i.",
 }
 
 
@@ -43,9 +56,9 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 # Sampling fields shared by /v1/completions and /v1/chat/completions (``null`` is "unset").
 _OPENAI_SAMPLING: dict[str, Any] = {
     "model": _nullable({"type": "string", "description": "The served model's name."}),
-    "max_tokens": _nullable({"type": "integer", "minimum": 0}),
+    "max_tokens": _nullable(_MAX_TOKENS),
     "max_completion_tokens": _nullable(
-        {"type": "integer", "minimum": 0, "description": "Takes precedence over max_tokens."}
+        {**_MAX_TOKENS, "description": "Takes precedence over max_tokens."}
     ),
     "temperature": _nullable({"type": "number", "minimum": 0}),
     "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -54,7 +67,14 @@ _OPENAI_SAMPLING: dict[str, Any] = {
     "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
     "frequency_penalty": _nullable(_PENALTY),
     "presence_penalty": _nullable(_PENALTY),
-    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+    "n": _nullable(
+        {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": MAX_N,
+            "description": "Choices per prompt; prompts x n may not pass the server's max_choices.",
+        }
+    ),
     "stop": _nullable(_STOP),
     "stop_token_ids": _nullable({"type": "array", "items": _TOKEN_ID}),
     "seed": _nullable(_SEED),
@@ -68,7 +88,7 @@ _OPENAI_SAMPLING: dict[str, Any] = {
     ),
     "ignore_eos": _NULLABLE_BOOL,
     "skip_special_tokens": _NULLABLE_BOOL,
-    "user": {"type": "string", "description": "Accepted and ignored."},
+    "user": _nullable({"type": "string", "description": "Accepted and ignored."}),
 }
 
 COMPLETION_REQUEST: dict[str, Any] = {
@@ -80,9 +100,9 @@ COMPLETION_REQUEST: dict[str, Any] = {
             "description": "Text, texts, token ids, or lists of token ids (one choice set each).",
             "anyOf": [
                 {"type": "string"},
-                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1, _BOUND: "choices"},
                 _TOKEN_IDS,
-                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1, _BOUND: "choices"},
             ],
         },
         **_OPENAI_SAMPLING,
@@ -114,15 +134,12 @@ CHAT_COMPLETION_REQUEST: dict[str, Any] = {
             "minItems": 1,
             "items": {
                 "type": "object",
-                "required": ["role"],
+                "required": ["role", "content"],
                 "properties": {
                     "role": {"type": "string"},
                     "content": {
-                        "anyOf": [
-                            {"type": "string"},
-                            {"type": "array", "items": _TEXT_PART},
-                            {"type": "null"},
-                        ]
+                        "description": "Text, or text parts; null is refused.",
+                        "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}],
                     },
                 },
             },
@@ -138,14 +155,19 @@ CHAT_COMPLETION_REQUEST: dict[str, Any] = {
             }
         ),
     },
+    # top_logprobs > 0 needs logprobs: true.
+    "anyOf": [
+        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        {"properties": {"top_logprobs": {"enum": [0, None]}}},
+    ],
 }
 
-# SGLang's sampling_params: unknown keys are a 400 (``SamplingParams.from_dict``).
+# SGLang's sampling_params: unknown keys are a 400 (``parsing.NATIVE_SAMPLING_KEYS``).
 SAMPLING_PARAMS: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
-        "max_new_tokens": {"type": "integer", "minimum": 0},
+        "max_new_tokens": _MAX_TOKENS,
         "temperature": {"type": "number", "minimum": 0},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "top_k": _TOP_K,
@@ -157,50 +179,113 @@ SAMPLING_PARAMS: dict[str, Any] = {
         "stop_token_ids": _nullable({"type": "array", "items": _TOKEN_ID}),
         "ignore_eos": {"type": "boolean"},
         "skip_special_tokens": {"type": "boolean"},
-        "seed": _nullable(_SEED),
-        "sampling_seed": _nullable({**_SEED, "description": "Alias of seed."}),
+        "seed": _nullable({"type": "integer", "minimum": INT_LOW, "maximum": INT_HIGH}),
+        "sampling_seed": _nullable(
+            {
+                "type": "integer",
+                "minimum": INT_LOW,
+                "maximum": INT_HIGH,
+                "description": "Alias of seed.",
+            }
+        ),
         "n": {"type": "integer", "const": 1},
+    },
+    "not": {
+        "description": "seed and sampling_seed together",
+        "required": ["seed", "sampling_seed"],
+        "properties": {"seed": {"type": "integer"}, "sampling_seed": {"type": "integer"}},
     },
 }
 
 GENERATE_REQUEST: dict[str, Any] = {
     "title": "GenerateRequest",
     "type": "object",
-    "description": "SGLang's native request: exactly one of text and input_ids.",
-    "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
+    "description": "SGLang's native request: exactly one of text and input_ids (null is absent).",
+    "oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+    ],
     "properties": {
-        "text": {"type": "string", "minLength": 1},
-        "input_ids": _TOKEN_IDS,
+        "text": _nullable({"type": "string", "minLength": 1}),
+        "input_ids": _nullable(_TOKEN_IDS),
         "sampling_params": _nullable(SAMPLING_PARAMS),
         "stream": _NULLABLE_BOOL,
         "return_logprob": _NULLABLE_BOOL,
-        "top_logprobs_num": _nullable({"type": "integer", "minimum": 0}),
-        "rid": _nullable({"type": "string", "description": "Request id, for aborts."}),
+        "top_logprobs_num": _nullable(
+            {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": MAX_TOP_LOGPROBS,
+                "description": "Alternatives per token, at most 20 as in OpenAI's API.",
+            }
+        ),
+        "rid": _nullable(
+            {"type": "string", "minLength": 1, "description": "Request id, for aborts."}
+        ),
     },
 }
 
 
-_ERROR: dict[str, Any] = {
-    "description": "OpenAI's error body",
-    "content": {
-        "application/json": {
-            "schema": {
-                "type": "object",
-                "required": ["error"],
-                "properties": {
-                    "error": {
-                        "type": "object",
-                        "required": ["message", "type"],
-                        "properties": {
-                            "message": {"type": "string"},
-                            "type": {"type": "string"},
-                            "param": {"type": ["string", "null"]},
-                            "code": {"type": ["string", "null"]},
-                        },
-                    }
-                },
-            }
+# -- answers -------------------------------------------------------------------------------------
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
         }
+    },
+}
+
+
+def _error(description: str, **headers: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "description": f"OpenAI's error body: {description}",
+        "content": {"application/json": {"schema": _ERROR_SCHEMA}},
+    }
+    if headers:
+        out["headers"] = {
+            name: {"description": text, "schema": {"type": "string"}}
+            for name, text in headers.items()
+        }
+    return out
+
+
+_ERROR = _error("the error")
+_BAD_REQUEST = _error(
+    "a field the server refuses (param names it), a body that is not JSON, or a Host header "
+    "that is not allowed"
+)
+_UNAUTHORIZED = _error(
+    "the API key is missing or wrong (only when the server has one)",
+    **{"WWW-Authenticate": "Bearer"},
+)
+_NOT_FOUND = _error("no model of that name (code model_not_found)")
+_NOT_ALLOWED = _error("another method than this path takes", Allow="The methods this path takes")
+_TOO_LARGE = _error("the body is over the server's size limit (--max-request-bytes)")
+_MEDIA_TYPE = _error("the body is not sent as application/json")
+_UNAVAILABLE = _error(
+    "the scheduler is not running or not responding, or the server is shutting down"
+)
+_GENERATED: dict[str, Any] = {
+    "description": "The result; with stream: true, server-sent events ending in [DONE]",
+    "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": {
+            "schema": {
+                "description": "One event: data is a JSON chunk, or [DONE] at the end",
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            }
+        },
     },
 }
 
@@ -210,8 +295,11 @@ def json_body(schema: dict[str, Any]) -> dict[str, Any]:
     only: the route still parses the raw body itself)."""
     return {
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-        "responses": {"400": _ERROR, "503": _ERROR},
-    }
+        "responses": {
+            "200": _GENERATED, "400": _BAD_REQUEST, "413": _TOO_LARGE, "415": _MEDIA_TYPE,
+            "503": _UNAVAILABLE,
+        },
+    }  # fmt: skip
 
 
 def openai_body(schema: dict[str, Any], model_name: str) -> dict[str, Any]:
@@ -220,8 +308,85 @@ def openai_body(schema: dict[str, Any], model_name: str) -> dict[str, Any]:
     model = {"const": model_name, "description": "The served model; may be left out."}
     named = {**schema, "properties": {**schema["properties"], "model": _nullable(model)}}
     extra = json_body(named)
-    extra["responses"]["404"] = _ERROR
+    extra["responses"]["404"] = _NOT_FOUND
     return extra
 
 
-UNAVAILABLE: dict[str, Any] = {"responses": {"503": _ERROR}}
+UNAVAILABLE: dict[str, Any] = {"responses": {"503": _UNAVAILABLE}}
+
+HEALTH: dict[str, Any] = {
+    "responses": {
+        "200": {
+            "description": "The server takes requests",
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["status"],
+                        "properties": {"status": {"const": "ok"}},
+                    }
+                }
+            },
+        },
+        "503": _UNAVAILABLE,
+    }
+}
+
+
+def document(app: FastAPI, limits: Callable[[], Limits | None], max_choices: int) -> None:
+    """Make ``app.openapi()`` carry what every route may answer (400 for a refused Host,
+    401, 405, 503 while draining; ``/metrics`` as text) and the bounds of the loaded model,
+    once ``limits()`` knows them."""
+    plain = app.openapi
+    built: dict[bool, dict[str, Any]] = {}
+
+    def openapi() -> dict[str, Any]:
+        known = limits()
+        if (known is not None) not in built:
+            schema = copy.deepcopy(plain())
+            _answers(schema)
+            _bounds(schema, known, max_choices)
+            built[known is not None] = schema
+        return built[known is not None]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _answers(schema: dict[str, Any]) -> None:
+    for path, item in schema.get("paths", {}).items():
+        for method, operation in item.items():
+            responses = operation.setdefault("responses", {})
+            responses.setdefault("400", _BAD_REQUEST)
+            if path != "/health":
+                responses.setdefault("401", _UNAUTHORIZED)
+            responses.setdefault("405", _NOT_ALLOWED)
+            if path != "/metrics":
+                responses.setdefault("503", _UNAVAILABLE)
+            if method == "post":
+                responses.setdefault("413", _TOO_LARGE)
+                responses.setdefault("415", _MEDIA_TYPE)
+        metrics = item.get("get") if path == "/metrics" else None
+        if metrics is not None:
+            metrics["responses"]["200"] = {
+                "description": "Prometheus's text format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+
+
+def _bounds(schema: dict[str, Any], limits: Limits | None, max_choices: int) -> None:
+    values: dict[str, tuple[str, int]] = {"choices": ("maxItems", max_choices)}
+    if limits is not None:
+        values["token_id"] = ("maximum", limits.vocab_size - 1)
+        values["tokens"] = ("maximum", limits.context_length - 1)
+        values["prompt"] = ("maxItems", limits.context_length - 1)
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            kind = node.pop(_BOUND, None)
+            if kind in values:
+                keyword, value = values[kind]
+                node[keyword] = value
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

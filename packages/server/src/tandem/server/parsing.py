@@ -1,13 +1,17 @@
 """Turning OpenAI and SGLang request bodies into engine jobs, or a 400 naming the field.
 
-Validation happens here, in the API process, with the engine's own rules
-(``SamplingParams.validate``), so that a bad request never reaches the scheduler and
-the error names the field the client sent (``max_tokens``, not ``max_new_tokens``).
+The raw body is checked around ``json.loads`` (UTF-8, nesting depth, lone surrogates),
+then each field, with the engine's own rules (``SamplingParams.validate``) where it has
+them, so that a bad request never reaches the scheduler and the error names the field
+the client sent (``max_tokens``, not ``max_new_tokens``). ``openapi_schemas`` documents
+the same bounds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +22,26 @@ from tandem.server.errors import APIError
 _PUBLIC = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs"}
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 64
 # Integers travel to the scheduler as msgpack and land in int64 tensors: wider ones are a 400
 # here, not a failure in the scheduler (a 500).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The bounds of 64-bit fields (top_k, seeds), a little inside int64 and round in decimal:
+# schema tools read big numbers as doubles (2**63 - 1 is the double 2**63), and 9e18 is
+# the same number either way. Seed + i (i < MAX_N) still fits.
+INT_LOW, INT_HIGH = -(9 * 10**18), 9 * 10**18
+# The keys /generate's sampling_params may hold (SamplingParams has more, set elsewhere).
+NATIVE_SAMPLING_KEYS = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "seed", "sampling_seed", "n",
+)  # fmt: skip
+_NATIVE_NULLABLE = frozenset({"stop", "stop_token_ids", "seed", "sampling_seed"})
+_REAL_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+    "presence_penalty",
+)  # fmt: skip
+_MESSAGE_MAX = 300  # characters of an engine message quoted back
 
 
 @dataclass
@@ -36,25 +57,123 @@ class Job:
 
 @dataclass
 class Limits:
-    """What the loaded model allows."""
+    """What the loaded model allows. ``max_token_chars``: the longest text one token
+    stands for (0: unknown, so texts are only measured by tokenizing them)."""
 
     vocab_size: int
     context_length: int
+    max_token_chars: int = 0
+
+    @property
+    def max_text_chars(self) -> int:
+        """Characters beyond which a text cannot fit in the context (0: no such bound)."""
+        return (self.context_length - 1) * self.max_token_chars
 
 
-def _typed(body: Mapping[str, Any], key: str, types: Any, what: str, default: Any = None) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise APIError(f"{key} must be {what}, got {value!r}", param=key)
-    if not isinstance(value, types):
-        raise APIError(f"{key} must be {what}, got {value!r}", param=key)
+# -- the raw body --------------------------------------------------------------------------------
+_STRUCTURE = re.compile(rb'["\[\]{}]')
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def load_json(raw: bytes) -> Any:
+    """The JSON value of a body, or a 400: not UTF-8, nested deeper than
+    ``MAX_JSON_DEPTH``, not JSON (``NaN`` and ``Infinity`` included), or holding a lone
+    surrogate in any string."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"the body is not valid UTF-8 (byte {exc.start})") from None
+    if too_deep(raw, MAX_JSON_DEPTH):
+        raise APIError(
+            f"the body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep "
+            f"(the depth limit is {MAX_JSON_DEPTH})"
+        )
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (json.JSONDecodeError, _NotANumber) as exc:
+        raise APIError(f"the body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError):
+        # Python refuses integers of more than 4300 digits.
+        raise APIError("the body is not valid JSON: a number is too long") from None
+    if _SURROGATE_ESCAPE.search(text):
+        path = surrogate_path(value)
+        if path is not None:
+            raise APIError(
+                f"{path} holds a lone UTF-16 surrogate escape, which is not text", param=path
+            )
     return value
 
 
-def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    return bool(_typed(body, key, bool, "a boolean", default))
+class _NotANumber(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotANumber(f"{name} is not a JSON number")
+
+
+def too_deep(raw: bytes, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` deep, by one pass over the raw
+    bytes (``json.loads`` itself would recurse). Brackets inside strings do not count."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth, pos = 0, 0
+    while (found := _STRUCTURE.search(raw, pos)) is not None:
+        char = raw[found.start()]
+        pos = found.end()
+        if char == ord('"'):
+            rest = _STRING_REST.match(raw, pos)
+            if rest is None:
+                return False  # an unterminated string: json.loads reports it
+            pos = rest.end()
+        elif char in b"[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _child(path: str, key: Any) -> str:
+    if key is None:
+        return path
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def surrogate_path(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string or key of ``value`` that is
+    not encodable text (a lone surrogate), or ``None``. Iterative: any depth is fine."""
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", iter([(None, value)]))]
+    while stack:
+        path, items = stack[-1]
+        for key, item in items:
+            if isinstance(key, str) and not _is_text(key):
+                printable = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                return _child(path, printable)
+            if isinstance(item, str):
+                if not _is_text(item):
+                    return _child(path, key) or "the body"
+            elif isinstance(item, dict):
+                stack.append((_child(path, key), iter(item.items())))
+                break
+            elif isinstance(item, list):
+                stack.append((_child(path, key), enumerate(item)))
+                break
+        else:
+            stack.pop()
+    return None
 
 
 def ensure_object(body: Any) -> dict[str, Any]:
@@ -63,85 +182,253 @@ def ensure_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def sampling_from_openai(body: Mapping[str, Any]) -> dict[str, Any]:
+# -- fields ------------------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    """``value`` for an error message, cut short: a client's field may be megabytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def integral(value: Any) -> Any:
+    """JSON has one number type: ``5.0`` is the integer 5 (as JSON Schema, and OpenAI's
+    own server, read it). Anything else is returned as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integral_ids(value: Any) -> Any:
+    """A token-id list, or a list of them, with ``integral`` numbers."""
+    if not isinstance(value, list):
+        return value
+    return [integral_ids(v) if isinstance(v, list) else integral(v) for v in value]
+
+
+def _typed(
+    body: Mapping[str, Any],
+    key: str,
+    types: Any,
+    what: str,
+    default: Any = None,
+    param: str | None = None,
+) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if types is int:
+        value = integral(value)
+    name = param or key
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise APIError(f"{name} must be {what}, got {_show(value)}", param=name)
+    if not isinstance(value, types):
+        raise APIError(f"{name} must be {what}, got {_show(value)}", param=name)
+    return value
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    return bool(_typed(body, key, bool, "a boolean", default))
+
+
+def int_in(
+    body: Mapping[str, Any],
+    key: str,
+    low: int,
+    high: int,
+    default: int | None = None,
+    param: str | None = None,
+) -> Any:
+    """An integer field within ``[low, high]``, or ``default`` when absent or null."""
+    name = param or key
+    value = _typed(body, key, int, "an integer", default, name)
+    if value is not None and not low <= value <= high:
+        raise APIError(f"{name} must be in [{low}, {high}], got {_show(value)}", param=name)
+    return value
+
+
+def _real(body: Mapping[str, Any], key: str, param: str | None = None) -> float | None:
+    """A number field as a float; one too large for a float is a 400, not a crash."""
+    name = param or key
+    value = _typed(body, key, (int, float), "a number", None, name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        raise APIError(f"{name} is out of range, got {_show(value)}", param=name) from None
+
+
+def _text(body: Mapping[str, Any], key: str) -> str | None:
+    return _typed(body, key, str, "a string")  # type: ignore[no-any-return]
+
+
+def _stop(value: Any, param: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise APIError(f"{param} must be a string or a list of strings", param=param)
+    return [s for s in value if s] or None
+
+
+def sampling_from_openai(body: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
     """The engine's sampling dict from OpenAI fields (plus SGLang/vLLM extensions)."""
-    max_tokens = body.get("max_completion_tokens")
-    key = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, key = body.get("max_tokens"), "max_tokens"
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
-        raise APIError(f"{key} must be an integer, got {max_tokens!r}", param=key)
-    if max_tokens is not None and max_tokens < 0:
-        raise APIError(f"{key} must be >= 0, got {max_tokens}", param=key)
     params: dict[str, Any] = {}
-    if max_tokens is not None:
-        params["max_new_tokens"] = max_tokens
-    number = (int, float)
-    for name in (
-        "temperature", "top_p", "min_p", "repetition_penalty",
-        "frequency_penalty", "presence_penalty",
-    ):  # fmt: skip
-        value = _typed(body, name, number, "a number")
+    # max_completion_tokens wins, but a bad max_tokens next to it is still a bad request.
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = int_in(body, key, 0, limits.context_length - 1)
+        if value is not None:
+            params["max_new_tokens"] = value
+    for name in _REAL_FIELDS:
+        value = _real(body, name)
         if value is not None:
             params[name] = value
-    top_k = _typed(body, "top_k", int, "an integer")
+    top_k = int_in(body, "top_k", -1, INT_HIGH)
     if top_k is not None:
         params["top_k"] = top_k
-    stop = body.get("stop")
+    stop = _stop(body.get("stop"), "stop")
     if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise APIError("stop must be a string or a list of strings", param="stop")
-        params["stop"] = [s for s in stop if s] or None
-    params["seed"] = _typed(body, "seed", int, "an integer")
+        params["stop"] = stop
+    params["seed"] = int_in(body, "seed", INT_LOW, INT_HIGH)
     params["ignore_eos"] = _bool(body, "ignore_eos")
     params["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        params["stop_token_ids"] = stop_ids
+        params["stop_token_ids"] = integral_ids(stop_ids)
+    _text(body, "user")
+    _bool(body, "stream")
+    check_stream_options(body)
+    return params
+
+
+def check_stream_options(body: Mapping[str, Any]) -> None:
+    """``stream_options`` is checked even when ``stream`` is off, where it is unused."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise APIError("stream_options must be an object", param="stream_options")
+    if "include_usage" in options and not isinstance(options["include_usage"], bool):
+        raise APIError(
+            "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
+        )
+
+
+def native_sampling(raw: Any) -> dict[str, Any]:
+    """/generate's ``sampling_params`` as the engine's sampling dict (``null`` is unset)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise APIError("sampling_params must be an object", param="sampling_params")
+    unknown = sorted(str(k) for k in raw if k not in NATIVE_SAMPLING_KEYS)
+    if unknown:
+        raise APIError(
+            f"unknown sampling parameter(s): {_show(', '.join(unknown))}",
+            param=f"sampling_params.{unknown[0]}",
+        )
+    params = {
+        k: integral_ids(integral(v))
+        for k, v in raw.items()
+        if not (v is None and k in _NATIVE_NULLABLE)
+    }
+    if "seed" in params and "sampling_seed" in params:
+        raise APIError(
+            "sampling_params: pass seed or its alias sampling_seed, not both",
+            param="sampling_params.sampling_seed",
+        )
+    for key, low in (
+        ("max_new_tokens", 0),
+        ("top_k", -1),
+        ("seed", INT_LOW),
+        ("sampling_seed", INT_LOW),
+    ):
+        int_in(params, key, low, INT_HIGH, param=f"sampling_params.{key}")
+    n = params.pop("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n != 1:
+        raise APIError("/generate takes n=1", param="sampling_params.n")
+    for name in _REAL_FIELDS:
+        if name in params:
+            params[name] = _real(params, name, f"sampling_params.{name}")
+    if "stop" in params:
+        params["stop"] = _stop(params["stop"], "sampling_params.stop")
     return params
 
 
 def choices_count(body: Mapping[str, Any]) -> int:
-    n = _typed(body, "n", int, "an integer", 1)
-    if not 1 <= n <= MAX_N:
-        raise APIError(f"n must be in [1, {MAX_N}], got {n}", param="n")
-    return int(n)
+    return int(int_in(body, "n", 1, MAX_N, 1))
+
+
+def check_fan_out(prompts: int, n: int, max_choices: int) -> None:
+    """Refuse a request for more choices (prompts x n) than the server allows."""
+    if prompts * n > max_choices:
+        raise APIError(
+            f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} choices; "
+            f"the server allows at most {max_choices} per request (max_choices)",
+            param="n" if n > 1 else "prompt",
+        )
+
+
+def check_text_length(text: str, limits: Limits, param: str) -> None:
+    """Refuse, without tokenizing it, a text too long to fit in the context even if
+    every token stood for the longest text any token stands for."""
+    most = limits.max_text_chars
+    if most and len(text) > most:
+        raise APIError(
+            f"{param} has {len(text)} characters: more than {limits.context_length - 1} tokens "
+            f"of at most {limits.max_token_chars} characters each, so it cannot fit in the "
+            f"context length {limits.context_length}",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_ids(ids: list[int], limits: Limits, param: str) -> None:
     if not ids:
         raise APIError("the prompt is empty", param=param)
-    for tok in ids:
-        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < limits.vocab_size:
-            raise APIError(
-                f"token id {tok!r} is outside the vocabulary [0, {limits.vocab_size})", param=param
-            )
     if len(ids) >= limits.context_length:
         raise APIError(
             f"the prompt has {len(ids)} tokens; the context length is {limits.context_length}",
             param=param,
             code="context_length_exceeded",
         )
+    for tok in ids:
+        if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < limits.vocab_size:
+            raise APIError(
+                f"token id {_show(tok)} is outside the vocabulary [0, {limits.vocab_size})",
+                param=param,
+            )
 
 
-def validate(params: dict[str, Any], prompt_len: int, limits: Limits) -> dict[str, Any]:
-    """Check with the engine's rules; return the params as the scheduler wants them."""
+def validate(
+    params: dict[str, Any], prompt_len: int, limits: Limits, prefix: str = ""
+) -> dict[str, Any]:
+    """Check with the engine's rules; return the params as the scheduler wants them.
+    ``prefix`` (``sampling_params.``) leads the engine's field names in the ``param``;
+    without it they are given their OpenAI names."""
     try:
         sp = SamplingParams.from_dict(params)
         sp.validate(limits.vocab_size, context_len=limits.context_length, prompt_len=prompt_len)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OverflowError) as exc:
         message = str(exc)
+        if len(message) > _MESSAGE_MAX:
+            message = message[: _MESSAGE_MAX - 3] + "..."
         field = message.split(":", 1)[0].strip()
-        param = _PUBLIC.get(field, field) if field.isidentifier() else None
+        param = _param(field, prefix) if field.isidentifier() else None
         code = "context_length_exceeded" if "context length" in message else None
         raise APIError(message, param=param, code=code) from None
     for name in ("top_k", "seed"):
         value = getattr(sp, name)
         if value is not None and not INT64_MIN <= value <= INT64_MAX:
-            raise APIError(f"{name} must fit in 64 bits, got {value}", param=name)
+            raise APIError(
+                f"{name} must fit in 64 bits, got {_show(value)}", param=_param(name, prefix)
+            )
     return sp.to_dict()
+
+
+def _param(field: str, prefix: str) -> str:
+    return prefix + field if prefix else _PUBLIC.get(field, field)
 
 
 def expand(
@@ -152,6 +439,7 @@ def expand(
     return_logprob: bool,
     top_logprobs_num: int,
     default_max: int | None = None,
+    prefix: str = "",
 ) -> list[Job]:
     """``n`` jobs per prompt, in OpenAI's choice order; seeded copies get seed + i, as the
     engine does, so they differ yet reproduce."""
@@ -162,7 +450,7 @@ def expand(
             # Unset: as much as the context leaves (capped by the endpoint's default).
             room = limits.context_length - len(ids)
             per["max_new_tokens"] = room if default_max is None else min(default_max, room)
-        checked = validate(per, len(ids), limits)
+        checked = validate(per, len(ids), limits, prefix)
         if checked.get("seed") is not None and checked["seed"] + n - 1 > INT64_MAX:
             raise APIError(f"seed + n - 1 must fit in 64 bits, got {checked['seed']}", param="seed")
         for i in range(n):

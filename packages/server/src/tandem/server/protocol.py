@@ -12,16 +12,16 @@ from typing import Any
 import msgpack
 
 # API -> scheduler
-ADD = "add"  # rid, input_ids, params, return_logprob, top_logprobs_num
-ABORT = "abort"  # rid
+ADD = "add"  # jobs: [{rid, input_ids, params, return_logprob, top_logprobs_num}], all or none
+ABORT = "abort"  # rids
 STOP = "stop"
 
 # scheduler -> API
 READY = "ready"  # info
 FATAL = "fatal"  # message (the engine could not start)
-CHUNK = "chunk"  # rid, ids, text, meta, logprobs, top_logprobs
-ERROR = "error"  # rid, message, invalid (True: the request was bad, not the engine)
-INFO = "info"  # info: get_server_info() figures for /metrics
+STEP = "step"  # out: one step's deltas, one per request with news (streams.Outbox)
+ERROR = "error"  # rids, message, invalid (True: the request was bad, not the engine)
+INFO = "info"  # info: get_server_info() figures, a few times a second (also the heartbeat)
 
 
 def encode(message: dict[str, Any]) -> bytes:

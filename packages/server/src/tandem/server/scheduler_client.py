@@ -1,9 +1,10 @@
 """The API process's handle on the scheduler process: launch, requests, liveness.
 
-One receiver task reads every message from the scheduler and routes it to the queue of
-the request it belongs to. A watchdog polls the process: the moment it is gone, every
-open request gets an error and new ones are refused, so no client ever waits on a
-scheduler that no longer exists.
+One receiver task reads every message from the scheduler (a step's deltas for many
+requests at once) and routes each delta to the HTTP request it belongs to. A watchdog
+polls the process: if it is gone, or hung (no heartbeat, or no step while work is
+pending, for ``watchdog_timeout``), every open request gets an error and new ones are
+refused, so no client ever waits on a scheduler that will not answer.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-import uuid
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,34 +44,57 @@ class RequestFailed(RuntimeError):
 
 
 @dataclass
-class _Open:
-    chunks: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+class _Ticket:
+    """One HTTP request's jobs: their deltas, merged in arrival order."""
+
+    positions: dict[str, int]
+    """Each job's rid -> its position in the request."""
+    deltas: asyncio.Queue[tuple[int, dict[str, Any]] | BaseException] = field(
+        default_factory=asyncio.Queue
+    )
 
 
 class SchedulerClient:
     """Starts the scheduler process and talks to it over ZMQ."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        engine_kwargs: dict[str, Any],
+        startup_timeout_s: float = 600.0,
+        watchdog_timeout_s: float = 300.0,
+        on_hung: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine_kwargs = engine_kwargs
         self.startup_timeout_s = startup_timeout_s
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.on_hung = on_hung
+        """Called once, with the reason, when the watchdog gives up on the scheduler."""
         self.info: dict[str, Any] = {}
+        """The engine's latest figures (empty once the scheduler is gone)."""
         # The API process's own tokenizer: it turns the token ids the scheduler sends
         # into the streamed text (loaded once the engine reports its model path).
         self.tokenizer: Tokenizer | None = None
         self.alive = False
-        self._open: dict[str, _Open] = {}
+        self._open: dict[str, _Ticket] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self._last_heard = self._last_progress = 0.0
+        self._steps_seen: Any = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._dir = tempfile.mkdtemp(prefix="tandem-ipc-")
         self._ctx = zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._pull = self._ctx.socket(zmq.PULL)
-        self.finished_listeners: list[Any] = []
+        self.finished_listeners: list[Callable[[dict[str, Any]], None]] = []
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+    @property
+    def open_requests(self) -> int:
+        """HTTP requests with jobs in the scheduler."""
+        return len({id(t) for t in self._open.values()})
 
     async def start(self) -> None:
         """Spawn the scheduler and return once its engine is ready (or raise)."""
@@ -106,21 +130,19 @@ class SchedulerClient:
         if (path / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_pretrained(path)
         self.alive = True
+        self._last_heard = self._last_progress = time.monotonic()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
         """Stop the scheduler (politely, then by force) and release everything."""
         self._closing = True
-        self._fail_all("the server is shutting down")
+        self._fail_all(SchedulerUnavailable("the server is shutting down"))
         proc = self._proc
         if proc is not None and proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 await self._push.send(protocol.encode({"type": protocol.STOP}))
-            await asyncio.to_thread(proc.join, 10)
-            if proc.is_alive():
-                proc.terminate()
-                await asyncio.to_thread(proc.join, 5)
-            if proc.is_alive():
+            await asyncio.to_thread(proc.join, 15)
+            if proc.is_alive():  # it ignores SIGTERM (see scheduler_process.run)
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
         self.alive = False
@@ -134,82 +156,113 @@ class SchedulerClient:
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    # -- requests ------------------------------------------------------------------------------
-    async def generate(
-        self,
-        input_ids: list[int],
-        params: dict[str, Any],
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        rid: str | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request's chunks; the last has ``meta["finish_reason"]``.
+    def fail_open(self, message: str) -> None:
+        """End every open request with ``SchedulerUnavailable(message)`` (a drain that
+        ran out of time); their jobs are aborted as their iterators close."""
+        self._fail_all(SchedulerUnavailable(message))
 
-        Leaving the iteration early (a client that went away) aborts the request.
+    # -- requests ------------------------------------------------------------------------------
+    async def stream(self, jobs: list[dict[str, Any]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Run one HTTP request's jobs (``protocol.ADD`` entries, each with a fresh
+        ``rid``); yield ``(position, delta)`` as deltas arrive until every job has its
+        last one (``delta["meta"]["finish_reason"]`` set).
+
+        Leaving the iteration early (a client that went away) aborts every job still
+        running, in one message.
         """
         if not self.alive:
             raise SchedulerUnavailable("the scheduler process is not running")
-        rid = rid or uuid.uuid4().hex
-        if rid in self._open:
-            raise RequestFailed(f"rid {rid!r} is already in use", invalid=True)
-        entry = _Open()
-        self._open[rid] = entry
-        finished = False
+        rids = [job["rid"] for job in jobs]
+        busy = [rid for rid in rids if rid in self._open]
+        if busy or len(set(rids)) != len(rids):
+            raise RequestFailed(f"rid {(busy or rids)[0]!r} is already in use", invalid=True)
+        ticket = _Ticket({rid: i for i, rid in enumerate(rids)})
+        running = set(rids)
+        for rid in rids:
+            self._open[rid] = ticket
         try:
-            await self._push.send(
-                protocol.encode(
-                    {
-                        "type": protocol.ADD,
-                        "rid": rid,
-                        "input_ids": input_ids,
-                        "params": params,
-                        "return_logprob": return_logprob,
-                        "top_logprobs_num": top_logprobs_num,
-                    }
-                )
-            )
-            while True:
-                msg = await entry.chunks.get()
-                if msg["type"] == protocol.ERROR:
-                    finished = True
-                    raise RequestFailed(msg["message"], bool(msg.get("invalid")))
-                if msg["type"] == "dead":
-                    finished = True
-                    raise SchedulerUnavailable(msg["message"])
-                yield msg
-                if msg["meta"]["finish_reason"] is not None:
-                    finished = True
-                    return
+            await self._push.send(protocol.encode({"type": protocol.ADD, "jobs": jobs}))
+            while running:
+                item = await ticket.deltas.get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, RequestFailed):
+                        running.clear()  # the scheduler refused or ended them itself
+                    raise item
+                position, delta = item
+                if delta["meta"].get("finish_reason") is not None:
+                    running.discard(delta["rid"])
+                yield position, delta
         finally:
-            self._open.pop(rid, None)
-            if not finished and self.alive:
+            for rid in rids:
+                self._open.pop(rid, None)
+            if running and self.alive:
                 with contextlib.suppress(zmq.ZMQError):
-                    self._push.send(protocol.encode({"type": protocol.ABORT, "rid": rid}))
+                    msg = {"type": protocol.ABORT, "rids": sorted(running)}
+                    self._push.send(protocol.encode(msg))
 
     # -- background tasks ----------------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
             msg = protocol.decode(await self._pull.recv())
+            self._last_heard = time.monotonic()
             kind = msg.get("type")
             if kind == protocol.INFO:
                 self.info = msg["info"]
-                continue
-            if kind == protocol.CHUNK and msg["meta"]["finish_reason"] is not None:
-                for listener in self.finished_listeners:
-                    listener(msg["meta"])
-            entry = self._open.get(msg.get("rid", ""))
-            if entry is not None:
-                entry.chunks.put_nowait(msg)
+                steps = msg["info"].get("forward_steps")
+                if steps != self._steps_seen:
+                    self._steps_seen, self._last_progress = steps, self._last_heard
+            elif kind == protocol.STEP:
+                self._last_progress = self._last_heard
+                for delta in msg["out"]:
+                    self._route(delta)
+            elif kind == protocol.ERROR:
+                error = RequestFailed(msg["message"], bool(msg.get("invalid")))
+                for ticket in {id(t): t for r in msg["rids"] if (t := self._open.get(r))}.values():
+                    ticket.deltas.put_nowait(error)
+
+    def _route(self, delta: dict[str, Any]) -> None:
+        meta = delta["meta"]
+        if meta.get("finish_reason") is not None:
+            for listener in self.finished_listeners:
+                listener(meta)
+        ticket = self._open.get(delta["rid"])
+        if ticket is not None:
+            ticket.deltas.put_nowait((ticket.positions[delta["rid"]], delta))
 
     async def _watch(self) -> None:
-        assert self._proc is not None
-        while self._proc.is_alive():
+        proc = self._proc
+        assert proc is not None
+        while proc.is_alive():
             await asyncio.sleep(0.1)
+            reason = self._hung_reason(time.monotonic())
+            if reason is not None and not self._closing:
+                log.error("the scheduler is hung (%s): stopping it", reason)
+                self._gone(SchedulerUnavailable(f"the scheduler is not responding ({reason})"))
+                proc.kill()
+                if self.on_hung is not None:
+                    self.on_hung(reason)
+                return
         if not self._closing:
-            log.error("the scheduler process died (exit code %s)", self._proc.exitcode)
-        self.alive = False
-        self._fail_all("the scheduler process died")
+            log.error("the scheduler process died (exit code %s)", proc.exitcode)
+        self._gone(SchedulerUnavailable("the scheduler process died"))
 
-    def _fail_all(self, message: str) -> None:
-        for entry in list(self._open.values()):
-            entry.chunks.put_nowait({"type": "dead", "message": message})
+    def _hung_reason(self, now: float) -> str | None:
+        timeout = self.watchdog_timeout_s
+        if now - self._last_heard > timeout:
+            return f"no heartbeat for {now - self._last_heard:.1f} s"
+        info = self.info
+        pending = self._open or info.get("num_running_requests") or info.get("num_waiting_requests")
+        if pending and now - self._last_progress > timeout:
+            return f"no step for {now - self._last_progress:.1f} s with work pending"
+        if not pending:
+            self._last_progress = now
+        return None
+
+    def _gone(self, error: SchedulerUnavailable) -> None:
+        self.alive = False
+        self.info = {}
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for ticket in {id(t): t for t in self._open.values()}.values():
+            ticket.deltas.put_nowait(error)

@@ -2,21 +2,18 @@
 
 The device loop lives apart from the HTTP event loop so that a slow tokenizer, JSON or
 a burst of clients never delays a forward, and so that a crashed engine cannot take
-the API process with it (the API notices and answers 503 instead of hanging).
-
-Each request runs the engine's public streaming ``generate`` on a thread of its own;
-the threads hand their chunks to one sender thread, because a ZMQ socket must only be
-used by one thread.
+the API process with it. Requests arrive named by the API process's ids; each step's
+output for all of them leaves as one message, sent by the engine's loop thread on a
+socket of its own (a ZMQ socket is used by one thread only). The main thread reads
+the inbox and sends a heartbeat with the engine's figures a few times a second.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -27,143 +24,102 @@ from tandem.server import protocol
 log = logging.getLogger(__name__)
 
 _INFO_PERIOD_S = 0.25
-_POLL_MS = 100
+_POLL_MS = 50
 
 
-class _Requests:
-    """Maps the API's request ids to the engine's, so an abort that arrives before the
-    engine named the request (it does so with the first chunk) is still honoured."""
+class StepSender:
+    """The engine's outbox: one ``STEP`` message per step, on the loop thread."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._engine_ids: dict[str, str] = {}
-        self._aborted: set[str] = set()
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
 
-    def named(self, rid: str, engine_id: str) -> bool:
-        """Record the engine's id; ``True`` when the request was aborted meanwhile."""
-        with self._lock:
-            first = rid not in self._engine_ids
-            self._engine_ids[rid] = engine_id
-            return first and rid in self._aborted
+    def send(self, deltas: list[dict[str, Any]]) -> None:
+        self.sock.send(protocol.encode({"type": protocol.STEP, "out": deltas}))
 
-    def abort(self, rid: str) -> str | None:
-        with self._lock:
-            self._aborted.add(rid)
-            return self._engine_ids.get(rid)
-
-    def done(self, rid: str) -> None:
-        with self._lock:
-            self._engine_ids.pop(rid, None)
-            self._aborted.discard(rid)
+    def fail(self, rid: str, error: BaseException) -> None:
+        log.error("request %s failed: %s", rid, error)
+        message = {"type": protocol.ERROR, "rids": [rid], "message": "generation failed"}
+        self.sock.send(protocol.encode({**message, "invalid": False}))
 
 
-def _serve_request(
-    engine: Any, msg: dict[str, Any], out: queue.Queue[dict[str, Any] | None], reqs: _Requests
-) -> None:
-    rid = msg["rid"]
-    sent_lp = 0
-    try:
-        chunks = engine.generate(
-            input_ids=msg["input_ids"],
-            sampling_params=msg["params"],
-            stream=True,
-            return_logprob=bool(msg.get("return_logprob")),
-            top_logprobs_num=int(msg.get("top_logprobs_num") or 0),
-        )
-    except ValueError as exc:
-        out.put({"type": protocol.ERROR, "rid": rid, "message": str(exc), "invalid": True})
-        reqs.done(rid)
-        return
-    try:
-        for chunk in chunks:
-            meta = dict(chunk["meta_info"])
-            if reqs.named(rid, meta["id"]):
-                engine.abort(meta["id"])
-            # The engine repeats every logprob so far in each chunk; send only the new ones.
-            lps = meta.pop("output_token_logprobs", None) or []
-            tops = meta.pop("output_top_logprobs", None) or []
-            out.put(
-                {
-                    "type": protocol.CHUNK,
-                    "rid": rid,
-                    "ids": list(chunk["output_ids"]),
-                    "text": chunk["text"],
-                    "meta": meta,
-                    "logprobs": [list(x) for x in lps[sent_lp:]],
-                    "top_logprobs": [[list(t) for t in step] for step in tops[sent_lp:]],
-                }
-            )
-            sent_lp = len(lps)
-    except Exception as exc:
-        log.exception("request %s failed", rid)
-        out.put({"type": protocol.ERROR, "rid": rid, "message": str(exc), "invalid": False})
-    finally:
-        reqs.done(rid)
-
-
-def _sender(sock: zmq.Socket[bytes], out: queue.Queue[dict[str, Any] | None]) -> None:
-    while True:
-        msg = out.get()
-        if msg is None:
-            return
-        sock.send(protocol.encode(msg))
+def _push(ctx: zmq.Context[zmq.Socket[bytes]], addr: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(addr)
+    return sock
 
 
 def run(engine_kwargs: dict[str, Any], in_addr: str, out_addr: str, parent_pid: int) -> None:
     """Entry point of the spawned process; returns when told to stop or orphaned."""
-    # Ctrl+C reaches the whole process group; the API process decides how we stop.
+    # Ctrl+C, or a supervisor's SIGTERM, reaches the whole process group; the API process
+    # drains first and then decides how we stop (STOP, else SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 1000)
-    push.connect(out_addr)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    push = _push(ctx, out_addr)  # this thread's: ready, info, rejections
+    steps = _push(ctx, out_addr)  # the engine loop thread's
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.LINGER, 0)
     pull.connect(in_addr)
+    engine = None
     try:
         from tandem.scheduler import Engine
 
         engine = Engine(**engine_kwargs)
-    except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
+    except Exception as exc:  # reported to the API process, which exits
+        log.exception("the engine failed to start")
         push.send(protocol.encode({"type": protocol.FATAL, "message": f"{exc}"}))
-        push.close()
+    if engine is None:
+        for sock in (push, steps, pull):
+            sock.close()
         ctx.term()
         sys.exit(1)
-    out: queue.Queue[dict[str, Any] | None] = queue.Queue()
-    sender = threading.Thread(target=_sender, args=(push, out), daemon=True)
-    sender.start()
-    out.put({"type": protocol.READY, "info": _info(engine)})
-    reqs = _Requests()
+    outbox = StepSender(steps)
+    push.send(protocol.encode({"type": protocol.READY, "info": _info(engine)}))
     last_info = 0.0
     try:
-        while True:
-            if os.getppid() != parent_pid:
-                break  # the API process is gone: never outlive it
+        while os.getppid() == parent_pid:  # the API process is gone: never outlive it
             if pull.poll(_POLL_MS):
                 msg = protocol.decode(pull.recv())
                 kind = msg.get("type")
                 if kind == protocol.STOP:
                     break
                 if kind == protocol.ADD:
-                    threading.Thread(
-                        target=_serve_request, args=(engine, msg, out, reqs), daemon=True
-                    ).start()
+                    _add(engine, msg, outbox, push)
                 elif kind == protocol.ABORT:
-                    engine_id = reqs.abort(msg["rid"])
-                    if engine_id is not None:
-                        engine.abort(engine_id)
+                    for rid in msg["rids"]:
+                        engine.abort(rid)
             now = time.monotonic()
             if now - last_info >= _INFO_PERIOD_S:
-                out.put({"type": protocol.INFO, "info": _info(engine)})
+                push.send(protocol.encode({"type": protocol.INFO, "info": _info(engine)}))
                 last_info = now
     finally:
-        engine.shutdown()
-        out.put(None)
-        sender.join(timeout=2)
-        pull.close()
-        push.close()
+        engine.shutdown()  # joins the loop thread: nothing uses ``steps`` after this
+        for sock in (push, steps, pull):
+            sock.close()
         ctx.term()
+
+
+def _add(engine: Any, msg: dict[str, Any], outbox: StepSender, push: zmq.Socket[bytes]) -> None:
+    jobs = msg["jobs"]
+    rids = [job["rid"] for job in jobs]
+    try:
+        engine.add_requests(
+            input_ids=[job["input_ids"] for job in jobs],
+            sampling_params=[job["params"] for job in jobs],
+            rids=rids,
+            outbox=outbox,
+            return_logprob=[bool(job.get("return_logprob")) for job in jobs],
+            top_logprobs_num=[int(job.get("top_logprobs_num") or 0) for job in jobs],
+        )
+    except ValueError as exc:
+        reply = {"type": protocol.ERROR, "rids": rids, "message": str(exc), "invalid": True}
+        push.send(protocol.encode(reply))
+    except RuntimeError as exc:  # the engine is shut down or its loop died
+        log.error("refused %d requests: %s", len(rids), exc)
+        reply = {"type": protocol.ERROR, "rids": rids, "message": "the engine stopped"}
+        push.send(protocol.encode({**reply, "invalid": False}))
 
 
 def _info(engine: Any) -> dict[str, Any]:
