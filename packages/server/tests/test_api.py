@@ -8,7 +8,6 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,17 +26,6 @@ MODEL = "default"  # the embedded default model's served name
 
 
 READY = re.compile(r"tandem is ready at (http://\S+)")  # what smoke tests wait for
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def server(cache: Path) -> Iterator[LiveServer]:
-    with live_server(cache) as live:
-        yield live
 
 
 @pytest.fixture

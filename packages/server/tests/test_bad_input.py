@@ -9,7 +9,6 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_process import LiveServer, live_server
+from server_process import LiveServer
 
 from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.tokenizer import Tokenizer
@@ -29,17 +28,6 @@ from tandem.server.errors import APIError, install_handlers
 TIMEOUT = 30
 WORDS = "Once upon a time there was a little house in the middle of a green forest. "
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def server(cache: Path) -> Iterator[LiveServer]:
-    with live_server(cache) as live:
-        yield live
 
 
 @pytest.fixture(scope="module")

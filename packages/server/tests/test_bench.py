@@ -23,11 +23,6 @@ KEYS = {
 SMALL = ["--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "6"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.fixture(autouse=True)
 def _env(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache))

@@ -404,11 +404,6 @@ def test_sse_is_not_buffered(socket_app: tuple[str, FastAPI]) -> None:
 
 
 # -- a live tandem serve -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
 def test_live_server_with_api_key(cache: Path) -> None:
     with live_server(cache, "--api-key", KEY) as server:
         wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)

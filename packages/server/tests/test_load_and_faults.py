@@ -38,17 +38,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def server(cache: Path) -> Iterator[LiveServer]:
-    with live_server(cache) as live:
-        yield live
-
-
 def _client(url: str) -> httpx.AsyncClient:
     unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     return httpx.AsyncClient(base_url=url, timeout=60, limits=unlimited)

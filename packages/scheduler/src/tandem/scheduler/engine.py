@@ -127,10 +127,7 @@ class Engine:
         to ``outbox`` one step at a time (new ids and new logprobs, never text): the
         server's scheduler process sends each step to the API process as one message.
         Checked like ``generate``; a ``ValueError`` queues none of them."""
-        if self._closed:
-            raise RuntimeError("the engine was shut down")
-        if self._loop.failure is not None:
-            raise RuntimeError("the scheduler loop died") from self._loop.failure
+        self._check_running()
         _, reqs = self._intake.requests(
             None, list(sampling_params), [list(ids) for ids in input_ids], return_logprob,
             top_logprobs_num, False, list(rids), False, text=False,
@@ -212,10 +209,7 @@ class Engine:
     ) -> tuple[bool, list[Waiter]]:
         """Check every request, then queue them all; nothing is queued when any
         request is invalid."""
-        if self._closed:
-            raise RuntimeError("the engine was shut down")
-        if self._loop.failure is not None:
-            raise RuntimeError("the scheduler loop died") from self._loop.failure
+        self._check_running()
         single, reqs = self._intake.requests(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
             times,
@@ -224,6 +218,12 @@ class Engine:
         for waiter in waiters:
             self._loop.add(waiter)
         return single, waiters
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
+        if self._loop.failure is not None:
+            raise RuntimeError("the scheduler loop died") from self._loop.failure
 
     def _collect(self, waiters: list[Waiter], progress: bool = True) -> list[dict[str, Any]]:
         bar = self._progress(len(waiters)) if progress else None

@@ -87,16 +87,17 @@ class EngineLoop:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Waiter, Chunk]]] = {}
         by_outbox: dict[int, tuple[Outbox, list[Delta]]] = {}
         for update in updates:
-            relay = self.waiters.get(update.req.rid)
-            if relay is not None and relay.outbox is not None:
-                delta = self._delta(relay, update)
+            waiter = self.waiters.get(update.req.rid)
+            if waiter is None:
+                continue
+            if waiter.outbox is not None:
+                delta = self._delta(waiter, update)
                 if delta is not None:
-                    by_outbox.setdefault(id(relay.outbox), (relay.outbox, []))[1].append(delta)
+                    by_outbox.setdefault(id(waiter.outbox), (waiter.outbox, []))[1].append(delta)
                 continue
-            found = self._chunk(update)
-            if found is None:
+            chunk = self._chunk(waiter, update)
+            if chunk is None:
                 continue
-            waiter, chunk = found
             if waiter.loop is None:
                 waiter.chunks.put(chunk)
             else:
@@ -113,10 +114,9 @@ class EngineLoop:
                     self.waiters.pop(waiter.req.rid, None)
                     self.scheduler.abort(waiter.req.rid)
 
-    def _chunk(self, update: Update) -> tuple[Waiter, Chunk] | None:
+    def _chunk(self, waiter: Waiter, update: Update) -> Chunk | None:
         req = update.req
-        waiter = self.waiters.get(req.rid)
-        if waiter is None or not (waiter.stream or update.finished):
+        if not (waiter.stream or update.finished):
             return None
         chunk = {
             "text": req.stop.take_new_text(final=update.finished),
@@ -126,7 +126,7 @@ class EngineLoop:
         }
         if update.finished:
             del self.waiters[req.rid]
-        return waiter, chunk
+        return chunk
 
     def _delta(self, waiter: Waiter, update: Update) -> Delta | None:
         """What an outbox gets of ``update``: the new ids and only the new logprobs."""

@@ -94,7 +94,11 @@ class SchedulerClient:
     @property
     def open_requests(self) -> int:
         """HTTP requests with jobs in the scheduler."""
-        return len({id(t) for t in self._open.values()})
+        return len(self._tickets())
+
+    def _tickets(self) -> list[_Ticket]:
+        """The open HTTP requests (``_open`` maps each of their rids to one)."""
+        return list({id(t): t for t in self._open.values()}.values())
 
     async def start(self) -> None:
         """Spawn the scheduler and return once its engine is ready (or raise)."""
@@ -217,7 +221,9 @@ class SchedulerClient:
                     self._route(delta)
             elif kind == protocol.ERROR:
                 error = RequestFailed(msg["message"], bool(msg.get("invalid")))
-                for ticket in {id(t): t for r in msg["rids"] if (t := self._open.get(r))}.values():
+                # An error names the rids of one ADD, or one rid: one HTTP request.
+                ticket = next((self._open[r] for r in msg["rids"] if r in self._open), None)
+                if ticket is not None:
                     ticket.deltas.put_nowait(error)
 
     def _route(self, delta: dict[str, Any]) -> None:
@@ -264,5 +270,5 @@ class SchedulerClient:
         self._fail_all(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for ticket in {id(t): t for t in self._open.values()}.values():
+        for ticket in self._tickets():
             ticket.deltas.put_nowait(error)
