@@ -16,6 +16,7 @@ from tandem.scheduler import Engine
 from tandem.scheduler.attention import decode_stage
 from tandem.scheduler.attention.decode_stage import DecodeStage, capacity_for, stage_fits
 from tandem.scheduler.attention.torch_backend import TorchAttention
+from tandem.scheduler.memory import KVLayout
 
 # Output lengths that differ, so the batch loses a request every few steps and the stage
 # restarts; one long enough to outgrow the first stage's capacity (128 keys of room).
@@ -117,12 +118,14 @@ def test_a_new_stage_zeroes_keys_past_the_longest_sequence() -> None:
 
 
 def test_the_stage_is_bounded_in_memory() -> None:
-    limit = decode_stage.LAYER_MAX_BYTES
-    # keys and values, float32: 2 * B * Hkv * capacity * D * 4 bytes
-    assert stage_fits(16, 512, 2, 16, 4)
-    assert not stage_fits(16, 1024, 2, 64, 4)
-    assert stage_fits(1, limit // (2 * 4 * 64), 1, 64, 4)
-    assert not stage_fits(1, limit // (2 * 4 * 64) + 1, 1, 64, 4)
+    limit = decode_stage.MAX_BYTES
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    per_key = 2 * 4 * 2 * 64 * 4  # keys and values of every layer, float32
+    assert layout.bytes_per_token == per_key
+    assert stage_fits(64, 1024, layout)
+    assert stage_fits(1, limit // per_key, layout)
+    assert not stage_fits(1, limit // per_key + 1, layout)
+    assert not stage_fits(limit // (per_key * 512) + 1, 512, layout)
 
 
 # The radix-cache regression: a repeated prompt is served from the cache but for its

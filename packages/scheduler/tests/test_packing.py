@@ -13,7 +13,7 @@ from reference_models import DenseCausalAttention, tiny_model_config
 from torch import nn
 
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model
-from tandem.scheduler.models.packing import make_column_major, pack_linears
+from tandem.scheduler.models.packing import make_column_major, onednn_available, pack_linears
 
 
 def _config(**overrides: Any) -> ModelConfig:
@@ -69,9 +69,27 @@ def test_parameters_keep_names_and_shapes_and_write_through() -> None:
     with torch.no_grad():
         attn.v_proj.weight.mul_(2.0)  # e.g. a weight update after loading
         attn.k_proj.bias.add_(1.0)
+    model.pack()  # the CPU's oneDNN copies are refreshed from the stacked weights
     after = _logits(model, ids)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, _logits(_unpacked_copy(model), ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_projections_multiply_by_a_onednn_copy_at_every_batch(dtype: torch.dtype) -> None:
+    assert onednn_available()  # every CPU build of torch has it
+    model = load_model(None, _config(), dtype=dtype, device="cpu", load_format="dummy")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down]
+    assert all(p is not None and p.onednn is not None for p in packed)
+    assert len(model.onednn_weights()) == 4 * len(model.model.layers)
+    plain = _unpacked_copy(model)
+    # One token takes the dense path in float32, more take oneDNN's; both agree with
+    # the unpacked model.
+    for n in (1, 2, 9):
+        ids = torch.randint(96, (n,), generator=torch.Generator().manual_seed(n))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(_logits(model, ids), _logits(plain, ids), rtol=tol, atol=tol)
 
 
 def test_a_tied_head_keeps_the_embedding_rows() -> None:

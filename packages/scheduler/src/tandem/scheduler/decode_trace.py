@@ -50,13 +50,17 @@ class _StagedForward(nn.Module):
         self.num_layers = model.config.num_hidden_layers
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, *staged: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """The final-norm hidden states, followed by every input, unchanged: an input
-        the interpreter dropped mid-replay would make torch take the GIL there."""
+        the interpreter dropped mid-replay would make torch take the GIL there.
+        ``tensors`` are the ``StagedDecode``'s, then the model's oneDNN weights, which
+        the layers read themselves: a trace cannot hold them as constants, so they
+        enter as inputs (the tracer knows them by identity)."""
+        staged = tensors[: StagedDecode.count(self.num_layers)]
         attention = _StagedAttention(StagedDecode.from_tensors(staged, self.num_layers))
         hidden, _ = self.decoder(input_ids, positions, attention)
-        return (hidden, input_ids, positions, *staged)
+        return (hidden, input_ids, positions, *tensors)
 
 
 class DecodeTrace:
@@ -65,6 +69,7 @@ class DecodeTrace:
 
     def __init__(self, model: CausalLM, attention: TorchAttention) -> None:
         self._module = _StagedForward(model)
+        self._weights = model.onednn_weights()
         self._attention = attention
         self._traced: torch.jit.ScriptModule | None = None
         self._failed = False  # recording failed: every step runs eagerly
@@ -82,7 +87,7 @@ class DecodeTrace:
         staged = self._attention.staged_decode()
         if staged is None or self._failed:
             return None
-        inputs = (batch.input_ids, batch.positions, *staged.tensors())
+        inputs = (batch.input_ids, batch.positions, *staged.tensors(), *self._weights)
         if self._traced is None:
             self._traced = self._record(inputs)
             if self._traced is None:

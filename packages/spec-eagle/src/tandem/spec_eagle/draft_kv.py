@@ -27,6 +27,7 @@ class DraftKVCache:
         device: torch.device,
     ) -> None:
         self.page_size = page_size
+        self.layout = layout
         self.num_slots = num_slots
         self.scratch_per_row = scratch_per_row
         total = num_slots + (num_rows + 1) * scratch_per_row

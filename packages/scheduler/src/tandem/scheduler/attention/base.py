@@ -17,6 +17,7 @@ import torch
 
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
+from tandem.scheduler.memory import KVLayout
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class KVCacheView(Protocol):
     """What an attention backend needs of the KV pool."""
 
     page_size: int
+    layout: KVLayout
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` keys of one layer."""

@@ -5,7 +5,8 @@ each step, is a large share of a small model's decode step, though the batch usu
 gains one key per request from one step to the next. ``DecodeStage`` keeps each
 layer's keys and values as ``[B, Hkv, capacity, D]`` tensors and appends each step's
 new K/V, so a step that continues the previous one (a decode step over the same rows)
-gathers nothing; it is used only while a layer's stage stays under ``LAYER_MAX_BYTES``.
+gathers nothing; it is used only while the whole stage (every layer's keys and values)
+stays under ``MAX_BYTES``.
 See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
@@ -21,9 +22,12 @@ from tandem.scheduler.casting import as_dtype
 
 if TYPE_CHECKING:
     from tandem.scheduler.attention.base import KVCacheView
+    from tandem.scheduler.memory import KVLayout
 
-LAYER_MAX_BYTES = 8 << 20
-"""Largest stage of one layer (keys and values), in bytes."""
+MAX_BYTES = 1 << 30
+"""Largest stage, every layer's keys and values together, in bytes. A continued stage
+also lets the decode trace replay the step (no GIL for the forward), which matters as
+much to a large model as the gather it saves, so the bound is on memory alone."""
 
 _HEADROOM = 128
 """Keys of room beyond the longest sequence when a stage starts (rounded up to 64):
@@ -161,9 +165,10 @@ class DecodeStage:
         return stage
 
 
-def stage_fits(batch: int, capacity: int, num_kv_heads: int, head_dim: int, itemsize: int) -> bool:
-    """Whether one layer's stage (keys and values) stays under ``LAYER_MAX_BYTES``."""
-    return 2 * batch * num_kv_heads * capacity * head_dim * itemsize <= LAYER_MAX_BYTES
+def stage_fits(batch: int, capacity: int, layout: KVLayout) -> bool:
+    """Whether a stage of ``batch`` requests, ``capacity`` keys each, over a cache of
+    ``layout`` (every layer's keys and values) stays under ``MAX_BYTES``."""
+    return batch * capacity * layout.bytes_per_token <= MAX_BYTES
 
 
 def append_to_stage(stage: torch.Tensor, append: torch.Tensor, new: torch.Tensor) -> None:

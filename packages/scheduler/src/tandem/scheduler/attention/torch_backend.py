@@ -76,11 +76,16 @@ class StagedDecode:
             *self.k_cache, *self.v_cache, *self.k_stage, *self.v_stage,
         )  # fmt: skip
 
+    @staticmethod
+    def count(num_layers: int) -> int:
+        """How many tensors ``tensors`` gives for a ``num_layers``-layer model."""
+        return 3 + 4 * num_layers
+
     @classmethod
     def from_tensors(cls, tensors: tuple[torch.Tensor, ...], num_layers: int) -> StagedDecode:
         """The inverse of ``tensors``."""
         loc, append, bias, *layers = tensors
-        if len(layers) != 4 * num_layers:
+        if len(tensors) != cls.count(num_layers):
             raise ValueError(f"{len(tensors)} tensors are not a {num_layers}-layer StagedDecode")
         per = [tuple(layers[i * num_layers : (i + 1) * num_layers]) for i in range(4)]
         return cls(loc, append, bias, *per)
@@ -244,7 +249,7 @@ class TorchAttention(AttentionBackend):
         rows, seq_lens = batch.rows_cpu, batch.seq_lens_cpu
         if not self.decode_stage or rows is None:
             return None
-        _, num_kv_heads, head_dim = self.kv_cache.k_buffer(0).shape
+        num_kv_heads = self.kv_cache.k_buffer(0).shape[1]
         device = batch.input_ids.device
         # Only a decode step continues a stage: its requests were all in the step
         # before it (see ``attention.decode_stage``). A prefill of one token is planned
@@ -259,8 +264,7 @@ class TorchAttention(AttentionBackend):
                 stage.check(self.kv_cache, self.req_to_token)
             return stage
         capacity = capacity_for(max_seq)
-        itemsize = self.kv_cache.k_buffer(0).element_size()
-        if not stage_fits(len(rows), capacity, num_kv_heads, head_dim, itemsize):
+        if not stage_fits(len(rows), capacity, self.kv_cache.layout):
             return None
         return DecodeStage(list(rows), list(seq_lens), capacity)
 

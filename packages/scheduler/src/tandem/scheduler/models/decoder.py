@@ -20,7 +20,13 @@ from tandem.scheduler.attention import triton_available
 from tandem.scheduler.attention.base import AttentionBackend
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.models.config import ModelConfig
-from tandem.scheduler.models.packing import PackedLinear, make_column_major, pack_linears
+from tandem.scheduler.models.packing import (
+    PackedLinear,
+    make_column_major,
+    onednn_available,
+    pack_linears,
+    with_onednn,
+)
 from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 
 # Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
@@ -87,12 +93,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qkv: PackedLinear | None = None  # set by ``pack``
+        self.o: PackedLinear | None = None
 
-    def pack(self, column_major: bool) -> None:
+    def pack(self, column_major: bool, onednn: bool = False) -> None:
         """Fuse q/k/v into one projection (see ``models.packing``)."""
         self.qkv = pack_linears((self.q_proj, self.k_proj, self.v_proj), column_major)
-        if column_major:
-            make_column_major(self.o_proj)
+        self.o = pack_linears((self.o_proj,), column_major)
+        if onednn:
+            self.qkv, self.o = with_onednn(self.qkv), with_onednn(self.o)
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.qkv is not None:
@@ -114,8 +122,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out: torch.Tensor = self.o_proj(attn.forward(self.layer_id, q, k, v, scale=self.scale))
-        return out
+        out = attn.forward(self.layer_id, q, k, v, scale=self.scale)
+        return self.o(out)[0] if self.o is not None else self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -128,20 +136,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.gate_up: PackedLinear | None = None  # set by ``pack``
+        self.down: PackedLinear | None = None
 
-    def pack(self, column_major: bool) -> None:
+    def pack(self, column_major: bool, onednn: bool = False) -> None:
         """Fuse gate and up into one projection (see ``models.packing``)."""
         self.gate_up = pack_linears((self.gate_proj, self.up_proj), column_major)
-        if column_major:
-            make_column_major(self.down_proj)
+        self.down = pack_linears((self.down_proj,), column_major)
+        if onednn:
+            self.gate_up, self.down = with_onednn(self.gate_up), with_onednn(self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
-        return out
+        inner = F.silu(gate) * up
+        return self.down(inner)[0] if self.down is not None else self.down_proj(inner)
 
 
 class DecoderLayer(nn.Module):
@@ -238,13 +248,22 @@ class CausalLM(nn.Module):
         column-major weights (default: on the CPU). Call once, after loading and
         placing the model (see ``models.packing``); the forward is the same function
         of the weights either way."""
+        cpu = self.lm_head.weight.device.type == "cpu"
         if column_major is None:
-            column_major = self.lm_head.weight.device.type == "cpu"
+            column_major = cpu
+        onednn = cpu and column_major and onednn_available()
         for layer in self.model.layers:
-            layer.self_attn.pack(column_major)
-            layer.mlp.pack(column_major)
+            layer.self_attn.pack(column_major, onednn)
+            layer.mlp.pack(column_major, onednn)
         if column_major and not self.config.tie_word_embeddings:
             make_column_major(self.lm_head)  # a tied head keeps the embedding's rows
+
+    def onednn_weights(self) -> tuple[torch.Tensor, ...]:
+        """Every weight the forward reads in oneDNN's layout (empty unless packed so)."""
+        packed: list[PackedLinear | None] = []
+        for layer in self.model.layers:
+            packed += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
+        return tuple(p.onednn for p in packed if p is not None and p.onednn is not None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

@@ -11,7 +11,9 @@ parameters from what the forward reads. See docs/guides/adding-a-model.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +28,63 @@ class PackedLinear:
     weight: torch.Tensor  # [sum(sizes), in_features]
     bias: torch.Tensor | None  # [sum(sizes)]
     sizes: tuple[int, ...]
+    # The same weight reordered into oneDNN's blocked layout (CPU only, see
+    # ``with_onednn``), or None; ``dense_up_to``: batches of at most this many tokens
+    # still multiply by ``weight``.
+    onednn: torch.Tensor | None = None
+    dense_up_to: int = 0
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each layer's output, as views of one ``[..., sum(sizes)]`` result."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        if self.onednn is not None:
+            y = _cpu_linear()(x, self.weight, self.onednn, self.bias, self.dense_up_to)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y.split(self.sizes, dim=-1)
+
+
+def _cpu_linear_source(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    onednn: torch.Tensor,
+    bias: torch.Tensor | None,
+    dense_up_to: int,
+) -> torch.Tensor:
+    if x.size(0) <= dense_up_to:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+
+
+@functools.cache
+def _cpu_linear() -> Callable[..., torch.Tensor]:
+    """``_cpu_linear_source`` compiled by TorchScript, once per process. The decode
+    trace records a call to it as one node (it could not record the oneDNN op's empty
+    list of optional scalars), and the batch-size test stays a test at every replay
+    instead of the branch taken when the trace was recorded."""
+    with warnings.catch_warnings():
+        # torch 2.13 deprecates TorchScript; see decode_trace for why it is still used.
+        warnings.filterwarnings("ignore", r"`torch\.jit\.script", DeprecationWarning)
+        return torch.jit.script(_cpu_linear_source)  # type: ignore[no-any-return]
+
+
+ONEDNN_BATCH_HINT = 32
+"""The batch oneDNN's weight layout is chosen for; every batch runs on it."""
+
+
+def onednn_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available())
+
+
+@torch.no_grad()
+def with_onednn(packed: PackedLinear) -> PackedLinear:
+    """``packed`` with a copy of its weight in oneDNN's blocked layout, which the CPU
+    multiplies without repacking the weight at every call (MKL's ``sgemm`` copies its
+    operand into a blocked buffer each time). A float32 matrix-vector product (one
+    token) is faster on the column-major weight, which the copy leaves in place."""
+    weight = packed.weight.contiguous()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+    dense_up_to = 1 if weight.dtype == torch.float32 else 0
+    return PackedLinear(packed.weight, packed.bias, packed.sizes, onednn, dense_up_to)
 
 
 def _empty_weight(rows: int, cols: int, like: torch.Tensor, column_major: bool) -> torch.Tensor:
