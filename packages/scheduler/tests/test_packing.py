@@ -83,6 +83,8 @@ def test_cpu_projections_multiply_by_a_onednn_copy_at_every_batch(dtype: torch.d
     packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down]
     assert all(p is not None and p.onednn is not None for p in packed)
     assert len(model.onednn_weights()) == 4 * len(model.model.layers)
+    assert model.head is not None
+    assert model.head.onednn is not None
     plain = _unpacked_copy(model)
     # One token takes the dense path in float32, more take oneDNN's; both agree with
     # the unpacked model.

@@ -232,6 +232,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head: PackedLinear | None = None  # the CPU's oneDNN head, set by ``pack``
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -257,6 +258,12 @@ class CausalLM(nn.Module):
             layer.mlp.pack(column_major, onednn)
         if column_major and not self.config.tie_word_embeddings:
             make_column_major(self.lm_head)  # a tied head keeps the embedding's rows
+        if onednn:
+            # Not a view of the parameter: the head is also the embedding when tied,
+            # and EAGLE's draft multiplies by ``lm_head`` itself.
+            self.head = with_onednn(
+                PackedLinear(self.lm_head.weight, None, (self.config.vocab_size,))
+            )
 
     def onednn_weights(self) -> tuple[torch.Tensor, ...]:
         """Every weight the forward reads in oneDNN's layout (empty unless packed so)."""
@@ -289,5 +296,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits (sampling wants float32)."""
-        logits: torch.Tensor = self.lm_head(hidden)
+        logits = self.head(hidden)[0] if self.head is not None else self.lm_head(hidden)
         return as_dtype(logits, torch.float32)
