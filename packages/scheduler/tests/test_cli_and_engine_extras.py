@@ -3,6 +3,7 @@ call is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from pathlib import Path
@@ -13,6 +14,9 @@ from reference_models import VOCAB
 
 from tandem.scheduler import Engine
 from tandem.scheduler.cli import main
+from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.models import ModelConfig
+from tandem.scheduler.wiring import LARGE_FORWARD_WEIGHTS, default_forward_threads
 
 PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -124,6 +128,22 @@ def test_the_cpu_forward_thread_leaves_a_core_to_the_scheduler(threads: int | No
         out = engine.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3})
         assert len(out["output_ids"]) == 3
     assert torch.get_num_threads() == caller, "the caller's threads are its own"
+
+
+def test_a_large_model_forward_takes_every_core() -> None:
+    small = ModelConfig.from_pretrained(default_model_path())
+    assert small.matmul_weights_per_token < LARGE_FORWARD_WEIGHTS
+    assert default_forward_threads(small, 2) == 1
+    assert default_forward_threads(small, 1) == 1
+    # A ~100M-parameter Llama: hidden 768, 12 layers, 4 of 12 heads for K/V, vocab 9000.
+    large = dataclasses.replace(
+        small, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=9000,
+    )  # fmt: skip
+    per_layer = 768 * (768 + 2 * 256) + 768 * 768 + 3 * 768 * 2048
+    assert large.matmul_weights_per_token == 12 * per_layer + 768 * 9000
+    assert default_forward_threads(large, 2) == 2
+    assert default_forward_threads(large, 16) == 16
 
 
 def test_cpu_forward_threads_must_be_positive() -> None:

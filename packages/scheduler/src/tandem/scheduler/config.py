@@ -69,8 +69,9 @@ class EngineConfig:
         cuda_graph_max_bs: largest decode batch captured in a CUDA graph; larger
             batches run eagerly. Default: ``min(max_running_requests, 256)``.
         cpu_forward_threads: intra-op threads of the CPU forward (set on the forward
-            stream's worker thread only); default: one fewer than torch's intra-op
-            threads, at least 1, which leaves a core to the scheduler thread.
+            stream's worker thread only); default: torch's intra-op threads for a model
+            of at least 16M weights per token (``wiring.default_forward_threads``), else
+            one fewer, at least 1, which leaves a core to the scheduler thread.
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
             the ``torch`` backend's decode stage, without speculative decoding).

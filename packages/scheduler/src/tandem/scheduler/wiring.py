@@ -86,7 +86,9 @@ def wire(cfg: EngineConfig) -> EngineParts:
     context_length = cfg.context_length or max_pos
     forward_threads = None
     if device.type == "cpu":
-        forward_threads = cfg.cpu_forward_threads or max(1, torch.get_num_threads() - 1)
+        forward_threads = cfg.cpu_forward_threads or default_forward_threads(
+            mc, torch.get_num_threads()
+        )
     tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or model_path))
     eos_ids = _eos_ids(model_path, mc, tokenizer)
 
@@ -194,6 +196,25 @@ def _decode_graphs(
     graphs = DecodeGraphRunner(model, attention, device, max_bs)
     graphs.capture()
     return graphs
+
+
+LARGE_FORWARD_WEIGHTS = 16_000_000
+"""Weights per token from which a CPU forward runs on every core (see
+``default_forward_threads``)."""
+
+
+def default_forward_threads(mc: ModelConfig, cores: int) -> int:
+    """Intra-op threads of the CPU forward when ``cpu_forward_threads`` is not given.
+
+    A small model's forward is a chain of short calls, as long as the host's work per
+    step: it runs on one core fewer, leaving the scheduler thread a core of its own to
+    overlap with. A large model's forward is long matrix products, the host's work is a
+    small share of a step, and the forward takes every core: the scheduler thread
+    preempts it only for that share (at 32 requests, a ~100M-parameter model's matmuls
+    take 35 ms on two cores and 63 ms on one; the host's work about 1 ms)."""
+    if mc.matmul_weights_per_token >= LARGE_FORWARD_WEIGHTS:
+        return cores
+    return max(1, cores - 1)
 
 
 def _forward_stream(cfg: EngineConfig, device: torch.device, threads: int | None) -> Stream:

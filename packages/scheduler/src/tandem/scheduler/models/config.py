@@ -97,6 +97,15 @@ class ModelConfig:
         """Width of the k (or v) projection's output (all KV heads)."""
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def matmul_weights_per_token(self) -> int:
+        """Weights a decode token multiplies by: every layer's projections and the head
+        (the embedding is a lookup). Twice this is its matmul FLOPs."""
+        h = self.hidden_size
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = 3 * h * self.intermediate_size
+        return self.num_hidden_layers * (attention + mlp) + h * self.vocab_size
+
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
         """Read a parsed Hugging Face ``config.json`` (either transformers 4 or 5 form)."""
