@@ -9,8 +9,9 @@ are recognised, by content:
   ``device_idle_fraction``, ``scheduler_s`` and ``overshoot_steps``;
 - ``tandem bench --output-json``: one entry per run (``normal``, ``overlap``,
   ``transformers``, ...), each with ``duration_s``, ``output_throughput``, ``num_requests``,
-  ``total_output_tokens``, TTFT / ITL / TPOT in ms, ``device_idle_fraction`` and
-  ``overshoot_steps`` (the last two null for transformers).
+  ``total_output_tokens``, TTFT / ITL / TPOT in ms, ``device_idle_fraction``,
+  ``overshoot_steps`` and ``host_us_per_decode_step`` (the last three null for
+  transformers; older files lack the last).
 
 Either may carry a top-level ``"command"``: the command line that produced it, a string
 (or an argv list of strings); the page shows it under the table. Any other top-level key
@@ -40,6 +41,18 @@ transformers output throughput, and device idle fractions. Its markers:
 
 Until such a file exists these markers render a note saying so, never an error.
 
+A fourth, ``tools/bench_vllm_cpu.py``, writes one file per model and dtype
+(``vs-vllm-MODEL-DTYPE.json``, marked by ``"benchmark": "vs_vllm_cpu"``): tandem and vLLM's
+CPU build served the same checkpoint, measured by the same client (``tandem bench serve``)
+at several concurrencies. Its markers:
+
+- ``<!-- bench:table SET vs_vllm_cpu -->``: one row per file and concurrency (output
+  tokens/s of each engine, their ratio, TPOT and TTFT p50 of each), then per file the
+  machine, the versions and the exact commands (the script's and both servers');
+- ``<!-- bench:summary SET vs_vllm_cpu -->``: one bullet per file with the ratios;
+- ``<!-- bench:plot SET vs_vllm_throughput -->``: output tokens/s against concurrency
+  (log2), one line per engine and file.
+
 The results are read from ``benchmarks/results/`` next to ``mkdocs.yml``, or from the folder
 named by the ``TANDEM_BENCH_RESULTS`` environment variable (which holds ``cpu/`` and
 ``gpu/`` the same way), so a test can build the site against results of its own.
@@ -68,7 +81,7 @@ from mkdocs.structure.files import File, Files
 log = logging.getLogger("mkdocs.hooks.bench_figures")
 
 SETS = ("cpu", "gpu")
-KINDS = ("bench_overlap", "tandem_bench", "bench_gpu")
+KINDS = ("bench_overlap", "tandem_bench", "bench_gpu", "vs_vllm_cpu")
 RESULTS_ENV = "TANDEM_BENCH_RESULTS"
 ASSET_DIR = "assets/bench"
 # Known runs first, in this order; any other run name follows in file order.
@@ -96,6 +109,7 @@ BENCH_OPTIONAL = {
     "total_input_tokens": True,
     "device_idle_fraction": True,
     "overshoot_steps": True,
+    "host_us_per_decode_step": True,
     **{
         f"{stat}_{what}_ms": True
         for stat in ("mean", "p50", "p99")
@@ -126,6 +140,7 @@ class Result:
     runs: dict[str, dict[str, Any]]
     command: str | None = None
     gpu: GpuResult | None = None  # the figures of a tools/bench_gpu.py file
+    vs_vllm: VsVllmResult | None = None  # the figures of a tools/bench_vllm_cpu.py file
 
     @property
     def name(self) -> str:
@@ -183,6 +198,8 @@ def _load(path: Path, root: Path) -> Result:
         raise _fail(path, root, "the top level must be a JSON object")
     if data.get("benchmark") == GPU_BENCHMARK or path.name.startswith("bench-gpu-"):
         return _load_gpu(path, root, data)
+    if data.get("benchmark") == VS_VLLM or path.name.startswith("vs-vllm-"):
+        return _load_vs_vllm(path, root, data)
     runs = {k: v for k, v in data.items() if isinstance(v, dict)}
     other = {k: v for k, v in data.items() if not isinstance(v, dict)}
     unknown = sorted(set(other) - TOP_LEVEL)
@@ -482,13 +499,15 @@ def _expand(match: re.Match[str], page_uri: str, empty_noted: set[str]) -> str:
     what, set_name, arg = words
     if set_name not in SETS:
         raise PluginError(f"bench_figures: {where}: SET must be one of {', '.join(SETS)}")
-    if what == "plot" and arg not in METRICS and arg not in GPU_METRICS:
-        metrics = ", ".join([*METRICS, *GPU_METRICS])
+    if what == "plot" and arg not in METRICS and arg not in GPU_METRICS and arg not in VS_METRICS:
+        metrics = ", ".join([*METRICS, *GPU_METRICS, *VS_METRICS])
         raise PluginError(f"bench_figures: {where}: METRIC must be one of {metrics}")
     if what != "plot" and arg not in KINDS:
         raise PluginError(f"bench_figures: {where}: KIND must be one of {', '.join(KINDS)}")
     if arg == GPU_BENCHMARK or arg in GPU_METRICS:
         return _expand_gpu(what, set_name, page_uri, empty_noted)
+    if arg == VS_VLLM or arg in VS_METRICS:
+        return _expand_vs_vllm(what, set_name, page_uri)
 
     every = _state.results.get(set_name, [])
     if not every:  # say it once per page, not under every marker
@@ -960,6 +979,322 @@ def _expand_gpu(what: str, set_name: str, page_uri: str, noted: set[str]) -> str
     return "\n\n".join(filter(None, (_gpu_table(results), _commands(results))))
 
 
+# -- tools/bench_vllm_cpu.py files ---------------------------------------------------------------
+VS_VLLM = "vs_vllm_cpu"
+VS_VLLM_TOP_LEVEL = {
+    "benchmark",
+    "schema_version",
+    "command",
+    "date",
+    "model",
+    "dtype",
+    "workload",
+    "machine",
+    "versions",
+    "caller_env",
+    "engines",
+    "results",
+}
+VS_ENGINES = {"tandem": "tandem", "vllm": "vLLM"}  # key -> the name shown
+VS_COLORS = {"tandem": "#e07b39", "vllm": "#5b7fa6"}
+VS_STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."))
+VS_DTYPES = ("float32", "bfloat16")
+# Figures of ``tandem bench serve`` every engine's row must carry: output tokens/s, and
+# mean, median and p99 of TTFT, TPOT and ITL in ms (null where bench serve had no sample).
+VS_FIGURES = tuple(
+    f"{stat}_{what}_ms" for what in ("ttft", "tpot", "itl") for stat in ("mean", "median", "p99")
+)
+VS_RATIO = "tandem_vs_vllm_output_throughput"
+VS_METRICS = {"vs_vllm_throughput": "output tokens/s against concurrency"}
+
+
+@dataclass
+class VsVllmRow:
+    """One concurrency level: engine -> its figures."""
+
+    concurrency: int
+    num_prompts: int
+    figures: dict[str, dict[str, float | None]]
+
+    def get(self, engine: str, key: str) -> float | None:
+        return self.figures.get(engine, {}).get(key)
+
+    @property
+    def ratio(self) -> float | None:
+        tandem = self.get("tandem", "output_throughput")
+        vllm = self.get("vllm", "output_throughput")
+        return None if tandem is None or vllm is None else tandem / vllm
+
+
+@dataclass
+class VsVllmResult:
+    """The figures of one ``tools/bench_vllm_cpu.py`` file that the page shows."""
+
+    model: str
+    parameters: int
+    dtype: str
+    workload: dict[str, Any]
+    machine: dict[str, Any]
+    versions: dict[str, Any]
+    engines: dict[str, dict[str, Any]]  # engine -> {"command": [...], "env": {...}}
+    rows: list[VsVllmRow]
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.dtype}"
+
+
+def _positive_int(check: _Checker, obj: dict[str, Any], key: str, where: str) -> int:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise check.fail(f"{where + key!r} is {value!r}, expected a positive integer")
+    return value
+
+
+def _strings(check: _Checker, value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
+        raise check.fail(f"{where!r} must be a non-empty list of strings")
+    return value
+
+
+def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
+    """Check a ``tools/bench_vllm_cpu.py`` file: every figure the page shows is there and
+    sane, no request failed, and each recorded ratio matches its parts."""
+    check = _Checker(path, root)
+    if data.get("benchmark") != VS_VLLM:
+        raise check.fail(
+            f"vs-vllm-*.json files come from tools/bench_vllm_cpu.py and carry "
+            f"'benchmark': {VS_VLLM!r}, got {data.get('benchmark')!r}"
+        )
+    unknown = sorted(set(data) - VS_VLLM_TOP_LEVEL)
+    if unknown:
+        raise check.fail(f"unexpected top-level key(s) {', '.join(map(repr, unknown))}")
+    if data.get("schema_version") != 1:
+        raise check.fail(f"'schema_version' is {data.get('schema_version')!r}, expected 1")
+    command = check.text(data, "command", "")
+    model = check.section(data, "model")
+    if data.get("dtype") not in VS_DTYPES:
+        raise check.fail(f"'dtype' is {data.get('dtype')!r}, expected one of {VS_DTYPES}")
+    machine = check.section(data, "machine")
+    check.text(machine, "cpu_model", "machine.")
+    _positive_int(check, machine, "cores", "machine.")
+    versions = check.section(data, "versions")
+    check.text(versions, "torch", "versions.")
+    engines = check.section(data, "engines")
+    if not engines or set(engines) - set(VS_ENGINES):
+        raise check.fail(f"'engines' must name one or both of {', '.join(VS_ENGINES)}")
+    for engine, info in engines.items():
+        if not isinstance(info, dict):
+            raise check.fail(f"'engines.{engine}' must be an object")
+        _strings(check, info.get("command"), f"engines.{engine}.command")
+        env = info.get("env")
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise check.fail(f"'engines.{engine}.env' must be an object of strings")
+    if "vllm" in engines:
+        check.text(versions, "vllm", "versions.")
+    raw_rows = data.get("results")
+    if not isinstance(raw_rows, list) or not raw_rows:
+        raise check.fail("'results' must be a non-empty list")
+    rows: list[VsVllmRow] = []
+    for i, raw in enumerate(raw_rows):
+        where = f"results[{i}]."
+        if not isinstance(raw, dict):
+            raise check.fail(f"{where[:-1]!r} must be an object")
+        row = VsVllmRow(
+            _positive_int(check, raw, "concurrency", where),
+            _positive_int(check, raw, "num_prompts", where),
+            {},
+        )
+        if rows and row.concurrency <= rows[-1].concurrency:
+            raise check.fail(f"{where + 'concurrency'!r}: the levels must increase")
+        for engine in engines:
+            figures = check.section(raw, engine, where)
+            at = f"{where}{engine}."
+            if figures.get("failed") != 0:
+                raise check.fail(f"{at + 'failed'!r} is {figures.get('failed')!r}: a run with "
+                                 "failed requests is no measurement")  # fmt: skip
+            row.figures[engine] = {
+                "output_throughput": check.number(figures, "output_throughput", at),
+                **{key: check.optional(figures, key, at) for key in VS_FIGURES},
+            }
+        if row.ratio is not None:
+            check.ratio(raw, VS_RATIO, where, row.ratio)
+        elif VS_RATIO in raw:
+            raise check.fail(f"{where + VS_RATIO!r} needs both engines' figures")
+        rows.append(row)
+    result = VsVllmResult(
+        model=check.text(model, "name", "model."),
+        parameters=_positive_int(check, model, "parameters", "model."),
+        dtype=data["dtype"],
+        workload=workload if isinstance(workload := data.get("workload"), dict) else {},
+        machine=machine,
+        versions=versions,
+        engines=engines,
+        rows=rows,
+    )
+    return Result(path=path, kind=VS_VLLM, runs={}, command=command, vs_vllm=result)
+
+
+def _vs_results(results: list[Result]) -> list[tuple[Result, VsVllmResult]]:
+    return [(r, r.vs_vllm) for r in results if r.vs_vllm is not None]
+
+
+def _vs_table(results: list[Result]) -> str:
+    """One row per file and concurrency, then per file its setting and commands."""
+    head = ["model", "dtype", "concurrency", "tandem tok/s", "vLLM tok/s", "tandem / vLLM"]
+    head += ["TPOT p50, tandem", "TPOT p50, vLLM", "TTFT p50, tandem", "TTFT p50, vLLM"]
+    rows = [head]
+    for _, v in _vs_results(results):
+        for row in v.rows:
+            rows.append(
+                [
+                    v.model,
+                    v.dtype,
+                    str(row.concurrency),
+                    _fmt(row.get("tandem", "output_throughput"), "{:.1f}"),
+                    _fmt(row.get("vllm", "output_throughput"), "{:.1f}"),
+                    _fmt(row.ratio, "{:.2f}"),
+                    _fmt(row.get("tandem", "median_tpot_ms"), "{:.1f} ms"),
+                    _fmt(row.get("vllm", "median_tpot_ms"), "{:.1f} ms"),
+                    _fmt(row.get("tandem", "median_ttft_ms"), "{:.0f} ms"),
+                    _fmt(row.get("vllm", "median_ttft_ms"), "{:.0f} ms"),
+                ]
+            )
+    parts = [_table(rows)]
+    for r, v in _vs_results(results):
+        parts.append(_vs_setting(r, v))
+    return "\n\n".join(parts)
+
+
+def _vs_setting(r: Result, v: VsVllmResult) -> str:
+    """What one file ran on and how: the machine, the versions, the exact commands."""
+    machine, versions = v.machine, v.versions
+    software = [f"torch {versions['torch']}"]
+    if isinstance(versions.get("vllm"), str):
+        software.append(f"vLLM {versions['vllm']}")
+    commit = versions.get("tandem_commit")
+    if isinstance(commit, str) and commit:
+        modified = " with local changes" if versions.get("tandem_tree_modified") else ""
+        software.append(f"tandem at `{commit[:10]}`{modified}")
+    work = v.workload
+    shape = ""
+    if all(isinstance(work.get(k), int) for k in ("input_len", "output_len")):
+        shape = (
+            f"; {work['input_len']} prompt tokens and {work['output_len']} output tokens "
+            "per request"
+        )
+    prompts = ", ".join(f"{row.num_prompts} at {row.concurrency}" for row in v.rows)
+    lines = [
+        f"# {r.name}",
+        r.command or "",
+        *(_vs_server(engine, info) for engine, info in v.engines.items()),
+    ]
+    return (
+        f"**`{r.name}`**: {v.model} ({v.parameters / 1e6:.1f}M parameters), {v.dtype}, on "
+        f"{machine['cpu_model']} ({machine['cores']} cores); {', '.join(software)}{shape}; "
+        f"requests per concurrency level: {prompts}. The commands (the script's, then each "
+        f"server's with the environment it was given):\n\n```bash\n" + "\n".join(lines) + "\n```"
+    )
+
+
+def _vs_server(engine: str, info: dict[str, Any]) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(info["env"].items()))
+    command = " ".join(filter(None, (env, shlex.join(info["command"]))))
+    return f"# {VS_ENGINES[engine]} server\n{command}"
+
+
+def _vs_summary(results: list[Result]) -> str:
+    bullets = []
+    for r, v in _vs_results(results):
+        ratios = [
+            f"{row.ratio:.2f} at {row.concurrency}" for row in v.rows if row.ratio is not None
+        ]
+        if ratios:
+            text = "tandem / vLLM output throughput " + ", ".join(ratios)
+        else:
+            text = f"{', '.join(VS_ENGINES[e] for e in v.engines)} only, nothing to compare"
+        bullets.append(f"- `{r.name}` ({v.label}): {text}.")
+    return "\n".join(bullets)
+
+
+def _vs_vllm_plot(results: list[Result], set_name: str) -> bytes | None:
+    """Output tokens/s against concurrency (log2 axis): a line per engine and file, the
+    engine by colour, the file by marker and line style."""
+    found = _vs_results(results)
+    if not found:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import FixedLocator
+
+    with matplotlib.rc_context(
+        {
+            "svg.fonttype": "none",
+            "svg.hashsalt": "tandem-bench",
+            "font.size": 10,
+            "font.family": "sans-serif",
+        }
+    ):
+        fig, ax = plt.subplots(figsize=(8, 4.2))
+        levels: set[int] = set()
+        top = 0.0
+        for index, (_, v) in enumerate(found):
+            marker, style = VS_STYLES[index % len(VS_STYLES)]
+            for engine in VS_ENGINES:
+                xs, ys = [], []
+                for row in v.rows:
+                    value = row.get(engine, "output_throughput")
+                    if value is not None:
+                        xs.append(row.concurrency)
+                        ys.append(value)
+                if not xs:
+                    continue
+                levels.update(xs)
+                top = max(top, *ys)
+                ax.plot(
+                    xs, ys, marker=marker, linestyle=style, color=VS_COLORS[engine],
+                    label=f"{VS_ENGINES[engine]}, {v.label}",
+                )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sorted(levels)))
+        ax.set_xticks(sorted(levels), [str(c) for c in sorted(levels)])
+        ax.set_ylim(0, top * 1.1 if top > 0 else 1)
+        ax.set_xlabel("concurrency (requests in flight at most)")
+        ax.set_ylabel("output tokens/s (higher is better)")
+        ax.set_title(
+            f"{set_name.upper()}: tandem and vLLM's CPU build, output tokens/s", fontsize=11
+        )
+        ax.grid(alpha=0.3)
+        return _svg(fig, ax)
+
+
+def _expand_vs_vllm(what: str, set_name: str, page_uri: str) -> str:
+    """A vs_vllm_cpu table or summary, or its plot; a note while no file exists."""
+    results = [r for r in _state.results.get(set_name, []) if r.kind == VS_VLLM]
+    if not results:
+        if what != "table":
+            return ""
+        return (
+            f"*No {set_name.upper()} results from `tools/bench_vllm_cpu.py` have been "
+            f"recorded yet: `benchmarks/results/{set_name}/` holds no `vs-vllm-*.json` file.*"
+        )
+    if what == "plot":
+        src_uri = _state.plots.get((set_name, "vs_vllm_throughput"))
+        if src_uri is None:
+            return ""
+        rel = posixpath.relpath(src_uri, posixpath.dirname(page_uri) or ".")
+        label = VS_METRICS["vs_vllm_throughput"]
+        return f"![{set_name.upper()}: {label}, tandem and vLLM]({rel})"
+    if what == "summary":
+        return (
+            "Output throughput of tandem over vLLM's, per file and concurrency (above 1 "
+            "favours tandem):\n\n" + _vs_summary(results)
+        )
+    return _vs_table(results)
+
+
 # -- mkdocs events -------------------------------------------------------------------------------
 def on_config(config: Any) -> None:
     global _state
@@ -974,13 +1309,17 @@ def on_files(files: Files, config: Any) -> Files:
     for page in files.documentation_pages():
         for match in MARKER.finditer(page.content_string):
             words = match.group("body").split()
-            plottable = words[2] in METRICS or words[2] in GPU_METRICS if len(words) == 3 else False
+            plottable = len(words) == 3 and (
+                words[2] in METRICS or words[2] in GPU_METRICS or words[2] in VS_METRICS
+            )
             if plottable and words[0] == "plot" and words[1] in SETS:
                 wanted.add((words[1], words[2]))
     for set_name, metric in sorted(wanted):
         results = _state.results.get(set_name, [])
         if metric in GPU_METRICS:
             svg = _gpu_plot(results, set_name)
+        elif metric in VS_METRICS:
+            svg = _vs_vllm_plot(results, set_name)
         else:
             svg = _plot(results, metric, set_name)
         if svg is None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
 from tandem.server import bench
 from tandem.server.cli import main
 
+ROOT = Path(__file__).resolve().parents[3]
 KEYS = {
     "output_throughput",
     "request_throughput",
@@ -18,6 +23,7 @@ KEYS = {
     "duration_s",
     "device_idle_fraction",
     "overshoot_steps",
+    "host_us_per_decode_step",
     *(f"{s}_{m}_ms" for s in ("mean", "p50", "p99") for m in ("ttft", "itl", "tpot")),
 }
 SMALL = ["--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "6"]
@@ -64,10 +70,13 @@ def test_random_compare_overlap_and_transformers(tmp_path: Path, capsys) -> None
         assert report[name]["p99_itl_ms"] > 0
         assert 0 <= report[name]["device_idle_fraction"] <= 1
         assert report[name]["overshoot_steps"] >= 0
+        assert report[name]["host_us_per_decode_step"] > 0
     for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "device_idle_fraction"):
         assert report["transformers"][key] is None
+    assert report["transformers"]["host_us_per_decode_step"] is None
     table = capsys.readouterr().out
     assert "output tok/s" in table
+    assert "decode host (us)" in table
     assert "transformers" in table
 
 
@@ -151,7 +160,7 @@ def test_engine_times_count_each_token_of_an_arrival() -> None:
         def get_server_info(self) -> dict[str, float]:
             return dict.fromkeys(
                 ("spec_verify_steps", "spec_committed_tokens", "device_busy_s",
-                 "device_idle_s", "overshoot_steps"), 0.0,
+                 "device_idle_s", "overshoot_steps", "decode_steps", "decode_scheduler_s"), 0.0,
             )  # fmt: skip
 
     workload = bench.Workload([[1, 2]], [5])
@@ -163,3 +172,114 @@ def test_engine_times_count_each_token_of_an_arrival() -> None:
     # gaps: 0.5 over 3 tokens (three of 1/6 s), then 0.5 over 1 token
     assert result["mean_itl_ms"] == pytest.approx(1000 * (3 * (0.5 / 3) + 0.5) / 4)
     assert result["mean_tpot_ms"] == pytest.approx(1000 * 1.0 / 4)
+    assert result["host_us_per_decode_step"] is None  # no decode step counted
+
+
+# -- host cost per decode step ---------------------------------------------------------------------
+def _module(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_cost_counts_decode_iterations_only() -> None:
+    """``decode_scheduler_s`` grows only in iterations that launch a decode batch: a
+    prefill-only run leaves it (and ``decode_steps``) unchanged while ``scheduler_s``
+    grows; a decoding run adds to it, never more than to ``scheduler_s``."""
+    from tandem.scheduler import Engine
+
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    for overlap in (False, True):
+        with Engine(
+            device="cpu", disable_overlap_schedule=not overlap, disable_progress_bar=True
+        ) as engine:
+            first = engine.get_server_info()
+            engine.generate(input_ids=prompts, sampling_params=params)
+            prefilled = engine.get_server_info()
+            engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 9})
+            decoded = engine.get_server_info()
+        assert prefilled["scheduler_s"] > first["scheduler_s"], overlap
+        assert prefilled["decode_steps"] == first["decode_steps"] == 0, overlap
+        assert prefilled["decode_scheduler_s"] == first["decode_scheduler_s"] == 0, overlap
+        assert decoded["decode_steps"] == 8, overlap
+        decode_s = decoded["decode_scheduler_s"]
+        assert 0 < decode_s <= decoded["scheduler_s"] - prefilled["scheduler_s"], overlap
+
+
+def test_bench_without_decode_steps_reports_no_host_cost(tmp_path: Path) -> None:
+    """One output token per request: the prefill samples it, nothing decodes, so the
+    per-decode-step figure is null rather than a prefill's cost."""
+    report = _run(tmp_path, *SMALL[:4], "--random-output-len", "1", "--repeats", "1")
+    assert report["overlap"]["output_lens"] == [1] * 6
+    assert report["overlap"]["host_us_per_decode_step"] is None
+
+
+def test_bench_max_running_requests_reaches_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tandem.scheduler
+
+    rows: list[int] = []
+
+    class Recording(tandem.scheduler.Engine):
+        def __init__(self, *args: Any, **options: Any) -> None:
+            super().__init__(*args, **options)
+            rows.append(self.config.max_running_requests)
+
+    monkeypatch.setattr(tandem.scheduler, "Engine", Recording)
+    extra = ["--num-prompts", "80", "--random-input-len", "4", "--random-output-len", "3"]
+    extra += ["--random-range-ratio", "1", "--max-running-requests", "80", "--repeats", "1"]
+    report = _run(tmp_path, *extra)
+    assert rows == [80]
+    assert report["overlap"]["total_output_tokens"] == 80 * 3
+    assert report["overlap"]["host_us_per_decode_step"] > 0
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cpu", *SMALL, "--max-running-requests", "0"])
+
+
+def test_docs_hook_reads_the_host_cost(tmp_path: Path) -> None:
+    """The site build checks ``tandem bench`` files: the new figure is a number or null."""
+    pytest.importorskip("mkdocs")
+    from mkdocs.exceptions import PluginError
+
+    hook = _module(ROOT / "docs" / "hooks" / "bench_figures.py", "bench_figures_of_test_bench")
+    run = {
+        "duration_s": 1.0,
+        "output_throughput": 10.0,
+        "num_requests": 1,
+        "total_output_tokens": 10,
+    }
+    path = tmp_path / "bench.json"
+    for value in (123.4, None):
+        path.write_text(json.dumps({"overlap": {**run, "host_us_per_decode_step": value}}))
+        assert hook._load(path, tmp_path).value("overlap", "host_us_per_decode_step") == value
+    path.write_text(json.dumps({"overlap": {**run, "host_us_per_decode_step": "fast"}}))
+    with pytest.raises(PluginError, match="host_us_per_decode_step"):
+        hook._load(path, tmp_path)
+
+
+def test_asv_host_cost_benchmark_runs_as_asv_calls_it() -> None:
+    """setup, the track function, teardown, per parameter combination; a combination
+    without its device is skipped through NotImplementedError in setup."""
+    module = _module(ROOT / "benchmarks" / "benchmarks" / "host_cost.py", "asv_host_cost")
+    suite = module.HostCost
+    assert suite.params[1] == [1, 64, 256]
+    assert suite.track_host_us_per_decode_step.unit == "us"
+    benchmark = suite()
+    try:
+        benchmark.setup("cpu", 1, True)
+        assert benchmark.track_host_us_per_decode_step("cpu", 1, True) > 0
+    finally:
+        benchmark.teardown("cpu", 1, True)
+    import torch
+
+    if not torch.cuda.is_available():
+        skipped = suite()
+        with pytest.raises(NotImplementedError):
+            skipped.setup("cuda", 1, True)
+        skipped.teardown("cuda", 1, True)

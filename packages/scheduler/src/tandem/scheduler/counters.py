@@ -21,6 +21,12 @@ class Counters:
     generated_tokens: int = 0
     cached_tokens: int = 0
     scheduler_s: float = 0.0
+    decode_scheduler_s: float = 0.0
+    """The part of ``scheduler_s`` spent in iterations that launched a decode batch
+    (one counted in ``decode_steps``), so ``decode_scheduler_s / decode_steps`` is the
+    host time per decode step. On the overlap loop such an iteration processes the
+    batch before it: the first one of a run processes the last prefill, and the
+    iteration that processes the last decode batch launches nothing and is not counted."""
     spec_verify_steps: int = 0
     spec_committed_tokens: int = 0
 

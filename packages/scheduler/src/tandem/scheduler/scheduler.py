@@ -112,6 +112,7 @@ class Scheduler:
         """One iteration of the configured loop; returns what requests produced."""
         start = time.perf_counter()
         updates, self._pending = self._pending, []
+        decode_steps = self.counters.decode_steps
         batch = self.schedule()
         launched = self._launch(batch) if batch is not None else None
         if self.overlap:
@@ -125,7 +126,10 @@ class Scheduler:
             waited = time.perf_counter() - t
             self.runner.timeline.collect()
             updates += self.process(previous.batch, result)
-        self.counters.scheduler_s += time.perf_counter() - start - waited
+        host_s = time.perf_counter() - start - waited
+        self.counters.scheduler_s += host_s
+        if self.counters.decode_steps != decode_steps:
+            self.counters.decode_scheduler_s += host_s
         if not self.has_work():
             self._new_period = True
             if self.strict_accounting:

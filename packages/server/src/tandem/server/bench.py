@@ -75,6 +75,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add_workload_arguments(parser)
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default: 1)")
     parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        help="requests decoding at once (default: the engine's); raise it with "
+        "--num-prompts to decode a larger batch",
+    )
+    parser.add_argument(
         "--compare-overlap",
         action="store_true",
         help="run the normal and the overlap loop in one process, alternating",
@@ -333,6 +339,8 @@ def _engine_result(
             tpots.append((chunks[-1][0] - chunks[0][0]) / (tokens - 1))
     busy = after["device_busy_s"] - before["device_busy_s"]
     idle = after["device_idle_s"] - before["device_idle_s"]
+    decode_steps = after["decode_steps"] - before["decode_steps"]
+    decode_host_s = after["decode_scheduler_s"] - before["decode_scheduler_s"]
     result = _result(
         workload,
         duration,
@@ -342,6 +350,7 @@ def _engine_result(
         tpots,
         idle / (busy + idle) if busy + idle > 0 else 0.0,
         after["overshoot_steps"] - before["overshoot_steps"],
+        decode_host_s * 1e6 / decode_steps if decode_steps else None,
     )
     if verify:
         result["spec_verify_steps"] = verify
@@ -358,6 +367,7 @@ def _result(
     tpots: list[float],
     idle_fraction: float | None,
     overshoot: int | None,
+    host_us_per_decode_step: float | None = None,
 ) -> dict[str, Any]:
     total_out = sum(out_tokens)
     return {
@@ -374,6 +384,7 @@ def _result(
         **_latency_fields("tpot", tpots),
         "device_idle_fraction": idle_fraction,
         "overshoot_steps": overshoot,
+        "host_us_per_decode_step": host_us_per_decode_step,
     }
 
 
@@ -475,6 +486,7 @@ _ROWS = (
     ("p99_tpot_ms", "TPOT p99 (ms)", "{:.2f}"),
     ("device_idle_fraction", "device idle", "{:.1%}"),
     ("overshoot_steps", "overshoot steps", "{}"),
+    ("host_us_per_decode_step", "decode host (us)", "{:.0f}"),
     ("spec_accept_length", "accept length", "{:.2f}"),
     ("speedup", "speedup", "{:.2f}x"),
 )
@@ -517,7 +529,13 @@ def run(
     if args.compare_speculative and args.compare_overlap:
         parser.error("argument --compare-speculative: not with --compare-overlap")
 
-    options = {"model_path": args.model_path, "device": args.device, "dtype": args.dtype}
+    options: dict[str, Any] = {
+        "model_path": args.model_path,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
+    if args.max_running_requests is not None:
+        options["max_running_requests"] = args.max_running_requests
     variants: list[tuple[str | None, dict[str, Any]]] = [(None, spec)]
     if args.compare_overlap:
         variants = [

