@@ -13,6 +13,7 @@ from reference_models import DenseCausalAttention, tiny_model_config
 from torch import nn
 
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model
+from tandem.scheduler.models.decoder import ONEDNN_MIN_HIDDEN
 from tandem.scheduler.models.packing import make_column_major, onednn_available, pack_linears
 
 
@@ -65,11 +66,12 @@ def test_parameters_keep_names_and_shapes_and_write_through() -> None:
     assert model.lm_head.weight.t().is_contiguous()
     torch.testing.assert_close(attn.qkv.weight[: config.q_size], attn.q_proj.weight)
     ids = torch.arange(7)
+    model.pack(onednn=True)  # as a model of a larger hidden size is packed on the CPU
     before = _logits(model, ids)
     with torch.no_grad():
         attn.v_proj.weight.mul_(2.0)  # e.g. a weight update after loading
         attn.k_proj.bias.add_(1.0)
-    model.pack()  # the CPU's oneDNN copies are refreshed from the stacked weights
+    model.pack(onednn=True)  # the stacked weights saw the write; the copies are redone
     after = _logits(model, ids)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, _logits(_unpacked_copy(model), ids), rtol=1e-5, atol=1e-5)
@@ -79,6 +81,9 @@ def test_parameters_keep_names_and_shapes_and_write_through() -> None:
 def test_cpu_projections_multiply_by_a_onednn_copy_at_every_batch(dtype: torch.dtype) -> None:
     assert onednn_available()  # every CPU build of torch has it
     model = load_model(None, _config(), dtype=dtype, device="cpu", load_format="dummy")
+    assert model.config.hidden_size < ONEDNN_MIN_HIDDEN
+    assert model.head is None, "a tiny model keeps MKL's products"
+    model.pack(onednn=True)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down]
     assert all(p is not None and p.onednn is not None for p in packed)
