@@ -42,6 +42,9 @@ TEST_DEPS = (
     "httpx>=0.27",
     "schemathesis>=4.32",
     "triton==3.6.0",
+    # The docs site's benchmark hook (docs/hooks/bench_figures.py) is tested too.
+    "mkdocs>=1.6",
+    "matplotlib>=3.8",
 )
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
 # What `nox -s serve` runs, and so what `nox -s smoke` checks.

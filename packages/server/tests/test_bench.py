@@ -244,7 +244,6 @@ def test_bench_max_running_requests_reaches_the_engine(
 
 def test_docs_hook_reads_the_host_cost(tmp_path: Path) -> None:
     """The site build checks ``tandem bench`` files: the new figure is a number or null."""
-    pytest.importorskip("mkdocs")
     from mkdocs.exceptions import PluginError
 
     hook = _module(ROOT / "docs" / "hooks" / "bench_figures.py", "bench_figures_of_test_bench")

@@ -234,7 +234,6 @@ def test_a_server_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
 # -- the docs hook -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hook() -> ModuleType:
-    pytest.importorskip("mkdocs")
     return _module(HOOK, "bench_figures_vs_vllm_under_test")
 
 
