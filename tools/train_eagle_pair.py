@@ -42,10 +42,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.scheduler.default_model import (
     _generation_config,
-    _tokenizer_config,
-    _write_json,
     build_default_tokenizer,
     default_model_config,
+    tokenizer_config,
+    write_json,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -273,10 +273,10 @@ def save_target(model: LlamaForCausalLM, config: dict[str, Any], tokenizer: Any,
         for name, tensor in model.state_dict().items()
     }
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(folder / "config.json", config)
+    write_json(folder / "config.json", config)
     (folder / "tokenizer.json").write_bytes((tokenizer.to_str(pretty=True) + "\n").encode())
-    _write_json(folder / "tokenizer_config.json", _tokenizer_config())
-    _write_json(folder / "generation_config.json", _generation_config(tokenizer))
+    write_json(folder / "tokenizer_config.json", tokenizer_config())
+    write_json(folder / "generation_config.json", _generation_config(tokenizer))
 
 
 # -- EAGLE-3 draft head -------------------------------------------------------------------------
@@ -674,7 +674,7 @@ def save_draft(
     state["d2t"] = d2t.to(torch.int64).contiguous()
     state["t2d"] = t2d.to(torch.bool).contiguous()
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(folder / "config.json", draft_config_dict(vocab))
+    write_json(folder / "config.json", draft_config_dict(vocab))
 
 
 # -- main ---------------------------------------------------------------------------------------

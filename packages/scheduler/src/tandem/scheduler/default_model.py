@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,14 +105,23 @@ def default_model_path(
     never returned: it is set aside and rebuilt.
     """
     target = cache_root(cache_dir, environ) / DEFAULT_MODEL_NAME
-    if is_complete(target):
+    return build_once(target, write_default_model, is_complete)
+
+
+def build_once(
+    target: Path, write: Callable[[Path], None], complete: Callable[[Path], bool]
+) -> Path:
+    """``target``, written by ``write`` (into an existing, empty folder) unless
+    ``complete`` already says it is there: built in a hidden sibling folder and renamed
+    into place, so that no reader sees a half-written folder and racing builders agree."""
+    if complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.building"
     staging.mkdir()
     try:
-        write_default_model(staging)
-        _publish(staging, target)
+        write(staging)
+        _publish(staging, target, complete)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -127,7 +136,7 @@ def is_complete(folder: Path) -> bool:
         return False
 
 
-def _publish(staging: Path, target: Path) -> None:
+def _publish(staging: Path, target: Path, complete: Callable[[Path], bool]) -> None:
     """Rename ``staging`` to ``target`` unless a complete ``target`` already exists."""
     for _ in range(3):
         try:
@@ -136,10 +145,10 @@ def _publish(staging: Path, target: Path) -> None:
         except OSError:
             # rename refuses a non-empty target: another process got there first, or
             # debris of an interrupted copy sits there.
-            if is_complete(target):
+            if complete(target):
                 return
         _discard(target)
-    raise RuntimeError(f"could not move the default model into {target}")
+    raise RuntimeError(f"could not move {staging.name} into {target}")
 
 
 def _discard(folder: Path) -> None:
@@ -158,23 +167,22 @@ def write_default_model(folder: Path) -> None:
     tokenizer = build_default_tokenizer()
     config = default_model_config(tokenizer)
     (folder / "tokenizer.json").write_bytes((tokenizer.to_str(pretty=True) + "\n").encode())
-    _write_json(folder / "tokenizer_config.json", _tokenizer_config())
-    _write_json(folder / "config.json", config)
-    _write_json(folder / "generation_config.json", _generation_config(tokenizer))
-    save_file(
-        default_model_weights(config), str(folder / "model.safetensors"), metadata={"format": "pt"}
-    )
+    write_json(folder / "tokenizer_config.json", tokenizer_config())
+    write_json(folder / "config.json", config)
+    write_json(folder / "generation_config.json", _generation_config(tokenizer))
+    save_file(llama_weights(config, _SEED), str(folder / "model.safetensors"), {"format": "pt"})
     # Last: the marker is the promise that everything above is on disk.
     (folder / _COMPLETE_MARKER).write_text(_MARKER_TEXT, encoding="utf-8")
 
 
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """``data`` as JSON with a fixed layout."""
     # Sorted keys and a fixed layout: the bytes, not just the content, must repeat.
     text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     path.write_bytes(text.encode("utf-8"))
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """GPT-2's byte-to-character map, indexed by byte value.
 
     Our token id of every single byte is the byte itself, which makes the vocabulary
@@ -189,8 +197,9 @@ def _byte_alphabet() -> list[str]:
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(_NUM_BYTES)]
 
 
-def _trained_merges() -> list[tuple[str, str]]:
-    """BPE merges learned from the embedded text.
+def train_merges(text: str, vocab_size: int, min_frequency: int) -> list[tuple[str, str]]:
+    """Byte-level BPE merges learned from ``text``, for a trainer vocabulary of
+    ``vocab_size`` (the 256 bytes included).
 
     ``BpeTrainer`` breaks ties between equally frequent pairs deterministically (the
     tests check that two builds in two processes agree byte for byte).
@@ -198,25 +207,28 @@ def _trained_merges() -> list[tuple[str, str]]:
     scratch = Tokenizer(models.BPE())
     scratch.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = BpeTrainer(
-        vocab_size=_NUM_BYTES + _MAX_MERGES,
-        min_frequency=2,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    scratch.train_from_iterator([_TRAINING_TEXT], trainer=trainer)
+    scratch.train_from_iterator([text], trainer=trainer)
     merges = json.loads(scratch.to_str())["model"]["merges"]
     return [(str(left), str(right)) for left, right in merges]
 
 
 def build_default_tokenizer() -> Tokenizer:
-    """The default model's byte-level BPE tokenizer.
+    """The default model's tokenizer: ``bpe_tokenizer`` over the embedded text's merges."""
+    return bpe_tokenizer(train_merges(_TRAINING_TEXT, _NUM_BYTES + _MAX_MERGES, 2))
+
+
+def bpe_tokenizer(merges: list[tuple[str, str]]) -> Tokenizer:
+    """A byte-level BPE tokenizer over ``merges``.
 
     Ids 0-255 are the bytes, then one id per merge in merge order, then the special
     tokens. Encoding adds the BOS token, like Llama 3.
     """
-    alphabet = _byte_alphabet()
-    merges = _trained_merges()
-    vocab = {char: byte for byte, char in enumerate(alphabet)}
+    vocab = {char: byte for byte, char in enumerate(byte_alphabet())}
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -234,27 +246,39 @@ def build_default_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _special_id(tokenizer: Tokenizer, token: str) -> int:
+def special_id(tokenizer: Tokenizer, token: str) -> int:
     token_id = tokenizer.token_to_id(token)
     if token_id is None:
-        raise RuntimeError(f"the default tokenizer lost its special token {token}")
-    return token_id
+        raise RuntimeError(f"the tokenizer lacks its special token {token}")
+    return int(token_id)
+
+
+_DEFAULT_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+_CONTEXT = 2048
 
 
 def default_model_config(tokenizer: Tokenizer) -> dict[str, Any]:
-    """config.json: Llama's field names, so any Llama loader (ours, transformers) reads it."""
-    hidden_size, num_heads = 64, 4
+    """The default model's config.json (``llama_config``)."""
+    return llama_config(tokenizer, _DEFAULT_SHAPE, _CONTEXT)
+
+
+def llama_config(tokenizer: Tokenizer, shape: Mapping[str, int], context: int) -> dict[str, Any]:
+    """config.json of a Llama of ``shape`` (hidden, intermediate and layer sizes, head
+    counts) over ``tokenizer``: Llama's field names, so any Llama loader (ours,
+    transformers, other engines) reads it."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": hidden_size,
-        "intermediate_size": 176,
-        "num_hidden_layers": 2,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": 2,
-        "head_dim": hidden_size // num_heads,
+        **shape,
+        "head_dim": shape["hidden_size"] // shape["num_attention_heads"],
         "hidden_act": "silu",
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": context,
         "rope_theta": 10000.0,
         "rope_scaling": None,
         "rms_norm_eps": 1e-5,
@@ -264,8 +288,8 @@ def default_model_config(tokenizer: Tokenizer) -> dict[str, Any]:
         "initializer_range": _INIT_STD,
         "tie_word_embeddings": False,
         "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-        "bos_token_id": _special_id(tokenizer, BOS_TOKEN),
-        "eos_token_id": _special_id(tokenizer, END_OF_TEXT_TOKEN),
+        "bos_token_id": special_id(tokenizer, BOS_TOKEN),
+        "eos_token_id": special_id(tokenizer, END_OF_TEXT_TOKEN),
         "torch_dtype": "float32",
         "use_cache": True,
     }
@@ -274,37 +298,44 @@ def default_model_config(tokenizer: Tokenizer) -> dict[str, Any]:
 def _generation_config(tokenizer: Tokenizer) -> dict[str, Any]:
     """Both chat end (``<|im_end|>``) and text end stop generation, as in Llama 3 instruct."""
     return {
-        "bos_token_id": _special_id(tokenizer, BOS_TOKEN),
+        "bos_token_id": special_id(tokenizer, BOS_TOKEN),
         "eos_token_id": [
-            _special_id(tokenizer, IM_END_TOKEN),
-            _special_id(tokenizer, END_OF_TEXT_TOKEN),
+            special_id(tokenizer, IM_END_TOKEN),
+            special_id(tokenizer, END_OF_TEXT_TOKEN),
         ],
     }
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def tokenizer_config(eos_token: str = IM_END_TOKEN, context: int = _CONTEXT) -> dict[str, Any]:
+    """tokenizer_config.json; the default model's end of turn is ``eos_token``."""
     return {
         # Without it transformers would pick its Llama tokenizer class, which rebuilds
         # a SentencePiece-style pipeline instead of using tokenizer.json as written.
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
-        "eos_token": IM_END_TOKEN,
+        "eos_token": eos_token,
         "pad_token": END_OF_TEXT_TOKEN,
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 2048,
+        "model_max_length": context,
         "chat_template": CHAT_TEMPLATE,
     }
 
 
 def default_model_weights(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Seeded random weights under Hugging Face's Llama parameter names.
+    """The default model's weights (``llama_weights``)."""
+    return llama_weights(config, _SEED)
+
+
+def llama_weights(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random weights from ``seed`` under Hugging Face's Llama parameter names: normal
+    with std 0.02, norm weights 1.
 
     Drawn in float64 and rounded to float32: the float32 sampler has vectorised paths
     that differ between CPUs, float64 sampling followed by rounding does not.
     """
-    generator = torch.Generator(device="cpu").manual_seed(_SEED)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     hidden = int(config["hidden_size"])
     inner = int(config["intermediate_size"])
     head_dim = int(config["head_dim"])
