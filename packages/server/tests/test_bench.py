@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -14,7 +12,9 @@ import pytest
 from tandem.server import bench
 from tandem.server.cli import main
 
-ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(Path(__file__).parent))
+from repo_scripts import HOOK, ROOT, load_module
+
 KEYS = {
     "output_throughput",
     "request_throughput",
@@ -176,14 +176,6 @@ def test_engine_times_count_each_token_of_an_arrival() -> None:
 
 
 # -- host cost per decode step ---------------------------------------------------------------------
-def _module(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_host_cost_counts_decode_iterations_only() -> None:
@@ -246,7 +238,7 @@ def test_docs_hook_reads_the_host_cost(tmp_path: Path) -> None:
     """The site build checks ``tandem bench`` files: the new figure is a number or null."""
     from mkdocs.exceptions import PluginError
 
-    hook = _module(ROOT / "docs" / "hooks" / "bench_figures.py", "bench_figures_of_test_bench")
+    hook = load_module(HOOK, "bench_figures_of_test_bench")
     run = {
         "duration_s": 1.0,
         "output_throughput": 10.0,
@@ -265,7 +257,7 @@ def test_docs_hook_reads_the_host_cost(tmp_path: Path) -> None:
 def test_asv_host_cost_benchmark_runs_as_asv_calls_it() -> None:
     """setup, the track function, teardown, per parameter combination; a combination
     without its device is skipped through NotImplementedError in setup."""
-    module = _module(ROOT / "benchmarks" / "benchmarks" / "host_cost.py", "asv_host_cost")
+    module = load_module(ROOT / "benchmarks" / "benchmarks" / "host_cost.py", "asv_host_cost")
     suite = module.HostCost
     assert suite.params[1] == [1, 64, 256]
     assert suite.track_host_us_per_decode_step.unit == "us"

@@ -7,37 +7,26 @@ is the Llama-3.2-1B one shrunk (same family, llama3 rope scaling, tied embedding
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from tandem.scheduler.models import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(Path(__file__).parent))
+from repo_scripts import HOOK, ROOT, load_module
+
 SCRIPT = ROOT / "tools" / "bench_gpu.py"
 CONFIGS = ROOT / "benchmarks" / "configs"
-HOOK = ROOT / "docs" / "hooks" / "bench_figures.py"
-
-
-def _module(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_configs_are_the_real_llama_shapes() -> None:
     """The engine's loader reads both configs, and the script's parameter count from the
     config matches the published sizes (1,235,814,400 and 8,030,261,248)."""
-    bench = _module(SCRIPT, "bench_gpu_under_test")
+    bench = load_module(SCRIPT, "bench_gpu_under_test")
     small = ModelConfig.from_pretrained(CONFIGS / "llama-3.2-1b")
     large = ModelConfig.from_pretrained(CONFIGS / "llama-3.1-8b")
     for mc, hidden, layers, head_dim, inter, factor, tied in (
@@ -185,10 +174,8 @@ def test_quick_cpu_run(tmp_path: Path) -> None:
 
 def _check_docs_hook_reads(path: Path) -> None:
     """The docs build reads these files with its own checks: the script's output must
-    pass them and render (where the docs toolchain is installed)."""
-    if importlib.util.find_spec("mkdocs") is None:
-        return
-    hook = _module(HOOK, "bench_figures_under_test")
+    pass them and render."""
+    hook = load_module(HOOK, "bench_figures_under_test")
     result = hook._load(path, ROOT)
     assert result.kind == "bench_gpu"
     table = hook._gpu_table([result])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,23 +20,14 @@ import torch
 
 from tandem.scheduler import Engine
 
-ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(Path(__file__).parent))
+from repo_scripts import HOOK, ROOT, load_module
+
 TOOLS = ROOT / "tools"
-HOOK = ROOT / "docs" / "hooks" / "bench_figures.py"
 
 
-def _module(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-checkpoint_tool = _module(TOOLS / "bench_checkpoint.py", "bench_checkpoint")
-bench_tool = _module(TOOLS / "bench_vllm_cpu.py", "bench_vllm_cpu_under_test")
+checkpoint_tool = load_module(TOOLS / "bench_checkpoint.py", "bench_checkpoint")
+bench_tool = load_module(TOOLS / "bench_vllm_cpu.py", "bench_vllm_cpu_under_test")
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +224,7 @@ def test_a_server_that_dies_is_reported_with_its_log(tmp_path: Path) -> None:
 # -- the docs hook -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hook() -> ModuleType:
-    return _module(HOOK, "bench_figures_vs_vllm_under_test")
+    return load_module(HOOK, "bench_figures_vs_vllm_under_test")
 
 
 def _write(folder: Path, record: dict[str, Any]) -> Path:
