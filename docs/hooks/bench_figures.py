@@ -71,6 +71,8 @@ import os
 import posixpath
 import re
 import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,22 +301,10 @@ def _plot(results: list[Result], metric: str, set_name: str) -> bytes | None:
     extra = iter(EXTRA_COLORS * 4)
     colors = {loop: LOOP_COLORS.get(loop) or next(extra) for loop in loops}
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
     from matplotlib.ticker import PercentFormatter
 
-    with matplotlib.rc_context(
-        {
-            "svg.fonttype": "none",  # text stays text: small files, the browser's font
-            "svg.hashsalt": "tandem-bench",  # stable ids, so a rebuild yields the same file
-            "font.size": 10,
-            "font.family": "sans-serif",
-        }
-    ):
+    with _figure(1.0 + 0.3 * len(loops) * len(rows) + 0.3 * len(rows)) as (fig, ax):
         height = 0.26
-        fig, ax = plt.subplots(figsize=(8, 1.0 + 0.3 * len(loops) * len(rows) + 0.3 * len(rows)))
         top = 0.0
         for loop_index, loop in enumerate(loops):
             ys, xs = [], []
@@ -335,6 +325,36 @@ def _plot(results: list[Result], metric: str, set_name: str) -> bytes | None:
         ax.set_title(f"{set_name.upper()}: {label.split(' (')[0]} per loop", fontsize=11)
         ax.grid(axis="x", alpha=0.3)
         return _svg(fig, ax)
+
+
+@contextmanager
+def _figure(height: float) -> Iterator[tuple[Any, Any]]:
+    """A new 8-inch-wide figure and its axes, in the style every plot shares; the
+    caller finishes it with ``_svg`` inside the block."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    with matplotlib.rc_context(
+        {
+            "svg.fonttype": "none",  # text stays text: small files, the browser's font
+            "svg.hashsalt": "tandem-bench",  # stable ids, so a rebuild yields the same file
+            "font.size": 10,
+            "font.family": "sans-serif",
+        }
+    ):
+        yield plt.subplots(figsize=(8, height))
+
+
+def _log2_axis(ax: Any, values: set[int]) -> None:
+    """A base-2 log x axis ticked at exactly ``values`` (batch sizes, concurrencies)."""
+    from matplotlib.ticker import FixedLocator
+
+    ticks = sorted(values)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xticks(ticks, [str(t) for t in ticks])
 
 
 def _svg(fig: Any, ax: Any) -> bytes:
@@ -898,21 +918,9 @@ def _gpu_plot(results: list[Result], set_name: str) -> bytes | None:
     found = _gpu_results(results)
     if not found:
         return None
-    import matplotlib
+    from matplotlib.ticker import PercentFormatter
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.ticker import FixedLocator, PercentFormatter
-
-    with matplotlib.rc_context(
-        {
-            "svg.fonttype": "none",
-            "svg.hashsalt": "tandem-bench",
-            "font.size": 10,
-            "font.family": "sans-serif",
-        }
-    ):
-        fig, ax = plt.subplots(figsize=(8, 4.2))
+    with _figure(4.2) as (fig, ax):
         batches: set[int] = set()
         top = 0.0
         for index, g in enumerate(found):
@@ -943,9 +951,7 @@ def _gpu_plot(results: list[Result], set_name: str) -> bytes | None:
             fontsize=8,
             color="#555555",
         )
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(sorted(batches)))
-        ax.set_xticks(sorted(batches), [str(b) for b in sorted(batches)])
+        _log2_axis(ax, batches)
         ax.set_ylim(0, max(1.0, top * 1.1))
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         ax.set_xlabel("decode batch size (requests)")
@@ -1223,21 +1229,7 @@ def _vs_vllm_plot(results: list[Result], set_name: str) -> bytes | None:
     found = _vs_results(results)
     if not found:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-    from matplotlib.ticker import FixedLocator
-
-    with matplotlib.rc_context(
-        {
-            "svg.fonttype": "none",
-            "svg.hashsalt": "tandem-bench",
-            "font.size": 10,
-            "font.family": "sans-serif",
-        }
-    ):
-        fig, ax = plt.subplots(figsize=(8, 4.2))
+    with _figure(4.2) as (fig, ax):
         levels: set[int] = set()
         top = 0.0
         for index, (_, v) in enumerate(found):
@@ -1257,9 +1249,7 @@ def _vs_vllm_plot(results: list[Result], set_name: str) -> bytes | None:
                     xs, ys, marker=marker, linestyle=style, color=VS_COLORS[engine],
                     label=f"{VS_ENGINES[engine]}, {v.label}",
                 )  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(sorted(levels)))
-        ax.set_xticks(sorted(levels), [str(c) for c in sorted(levels)])
+        _log2_axis(ax, levels)
         ax.set_ylim(0, top * 1.1 if top > 0 else 1)
         ax.set_xlabel("concurrency (requests in flight at most)")
         ax.set_ylabel("output tokens/s (higher is better)")
