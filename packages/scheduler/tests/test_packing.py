@@ -13,8 +13,12 @@ from reference_models import DenseCausalAttention, tiny_model_config
 from torch import nn
 
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model
-from tandem.scheduler.models.decoder import ONEDNN_MIN_HIDDEN
-from tandem.scheduler.models.packing import make_column_major, onednn_available, pack_linears
+from tandem.scheduler.models.packing import (
+    ONEDNN_MIN_HIDDEN,
+    make_column_major,
+    onednn_available,
+    pack_linears,
+)
 
 
 def _config(**overrides: Any) -> ModelConfig:

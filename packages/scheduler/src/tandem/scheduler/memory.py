@@ -62,8 +62,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 class PagedKVPool:
