@@ -198,3 +198,16 @@ def test_the_triton_backend_verifies_trees_like_torch(
     with _engine(target, attention_backend="triton", **options) as engine:
         out = engine.generate(input_ids=PROMPTS[:2], sampling_params=GREEDY)
     assert [r["output_ids"] for r in out] == reference[:2]
+
+
+@pytest.mark.parametrize(("head", "topk", "ndt"), [("eagle3", 2, 6), ("eagle", 1, 4)])
+def test_tensor_parallel_greedy_equals_non_speculative(
+    target: Path, heads: dict[str, Path], reference: list[list[int]], head: str, topk: int, ndt: int
+) -> None:
+    """Two ranks (gloo): the draft runs whole on each rank over the gathered logits and
+    the all-reduced features; the target is sharded."""
+    options = {**_spec(heads[head], 3, topk, ndt), "tp_size": 2, "debug_futures": True}
+    with _engine(target, **options) as engine:
+        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        engine.scheduler.check_accounting()
+    assert [r["output_ids"] for r in out] == reference

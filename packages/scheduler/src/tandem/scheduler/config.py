@@ -100,6 +100,17 @@ class EngineConfig:
             bugs. Default: ``TANDEM_HOST_STREAM_MAX_DELAY_MS``, else 0.
         host_stream_seed: seed of those random delays; ``None`` is unseeded. Default:
             ``TANDEM_HOST_STREAM_SEED``.
+        tp_size: tensor-parallel ranks (SGLang's option): the model is sharded over
+            this many processes, one per rank (one device each on accelerators),
+            joined with torch.distributed (``nccl`` on CUDA/ROCm, ``gloo`` on the
+            CPU). The engine starts the other ranks itself.
+        nnodes: machines the ranks are spread over (``tp_size`` a multiple of it).
+        node_rank: this machine's index; node 0 runs rank 0 (the scheduler and the
+            API), other nodes only their ranks (``tandem serve --node-rank 1``).
+        dist_init_addr: ``host:port`` where the ranks meet (rank 0's machine); default:
+            a free loopback port (one machine only).
+        dist_timeout: seconds a rank waits to reach ``dist_init_addr`` and, once
+            running, for another rank in a collective, before failing with an error.
     """
 
     model_path: str | None = None
@@ -135,6 +146,11 @@ class EngineConfig:
     compile_checks: str = _from_env(lambda env: env.compile_checks)
     host_stream_max_delay_ms: float = _from_env(lambda env: env.host_stream_max_delay_s * 1000)
     host_stream_seed: int | None = _from_env(lambda env: env.host_stream_seed)
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int = 120
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> EngineConfig:
@@ -179,6 +195,22 @@ class EngineConfig:
             raise ValueError(f"random_seed must be an int, got {self.random_seed!r}")
         self._validate_debug()
         self._validate_speculative()
+        self._validate_parallel()
+
+    def _validate_parallel(self) -> None:
+        _positive(self, "tp_size", "nnodes", "dist_timeout")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size={self.tp_size} does not spread evenly over nnodes={self.nnodes}"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank!r}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(f"nnodes={self.nnodes} needs dist_init_addr (rank 0's host:port)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
 
     def _validate_debug(self) -> None:
         if not isinstance(self.debug_futures, bool):

@@ -10,11 +10,13 @@ disturbs other work; results come back through ``streams``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.distributed import RankGroup, start_rank_zero
 from tandem.scheduler.engine_loop import EngineLoop
 from tandem.scheduler.intake import InputIds, Intake, ParamsArg, Prompt
 from tandem.scheduler.streams import ChunkStream, Outbox, Waiter, collect
@@ -34,7 +36,20 @@ class Engine:
         self.config = EngineConfig.from_options(
             {"model_path": model_path, "dtype": dtype, "device": device, **options}
         )
-        self._parts = parts = wire(self.config)
+        self._ranks: RankGroup | None = None
+        if self.config.tp_size > 1:
+            if self.config.node_rank != 0:
+                raise ValueError(
+                    f"node_rank={self.config.node_rank} runs tensor-parallel ranks only, "
+                    "no engine: start it with `tandem serve --node-rank ...`"
+                )
+            self.config, self._ranks = start_rank_zero(self.config)
+        try:
+            self._parts = parts = wire(self.config, self._ranks)
+        except BaseException:
+            if self._ranks is not None:
+                self._ranks.close(timeout_s=0)
+            raise
         self.model_path = parts.model_path
         self.model_config = parts.model_config
         self.device = parts.device
@@ -183,11 +198,34 @@ class Engine:
             return
         self._closed = True
         self._loop.stop()
+        relay = self.scheduler.runner.relay
+        if relay is not None and self.failure is None:
+            with contextlib.suppress(Exception):  # a rank already gone
+                relay.stop()
         stream = self._parts.stream
-        stream.synchronize()
+        try:
+            stream.synchronize()
+        except Exception:
+            if self._ranks is None:
+                raise  # a sharded forward fails when a rank is gone: already reported
         close = getattr(stream, "close", None)
         if close is not None:
             close()
+        if self._ranks is not None:
+            self._ranks.close()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer run (its loop died, or a tensor-parallel rank
+        exited), or None while it can."""
+        if self._ranks is not None and self._ranks.failure is not None:
+            return self._ranks.failure
+        if self._loop.failure is not None:
+            # A rank's exit breaks the forward's collectives before the watch notices it.
+            if self._ranks is not None and self._ranks.exited() is not None:
+                return self._ranks.exited()
+            return f"the scheduler loop died: {self._loop.failure!r}"
+        return None
 
     def __enter__(self) -> Engine:
         return self
@@ -222,6 +260,8 @@ class Engine:
     def _check_running(self) -> None:
         if self._closed:
             raise RuntimeError("the engine was shut down")
+        if self._ranks is not None and self._ranks.failure is not None:
+            raise RuntimeError(self._ranks.failure)
         if self._loop.failure is not None:
             raise RuntimeError("the scheduler loop died") from self._loop.failure
 

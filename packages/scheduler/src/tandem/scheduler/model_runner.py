@@ -22,6 +22,7 @@ from tandem.scheduler.cpu_step import CpuStep
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.device_step import DeviceStep
+from tandem.scheduler.distributed import StepRelay
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
 from tandem.scheduler.messages import LaunchedBatch, SamplingSpec, ScheduledBatch, StepResult
@@ -72,6 +73,7 @@ class ModelRunner:
         copy_stream: DeviceStream | None = None,
         graphs: DecodeGraphRunner | None = None,
         decode_trace: DecodeTrace | None = None,
+        relay: StepRelay | None = None,
     ) -> None:
         self.model = model
         self.req_pool = req_pool
@@ -86,6 +88,8 @@ class ModelRunner:
         self.spec = spec
         self.graphs = graphs
         self.decode_trace = decode_trace
+        self.relay = relay
+        """Tensor parallelism's rank 0: where launched steps also go (the followers)."""
         self.driver: StepDriver
         self.copy_stream: DeviceStream | None = None  # the CPU's results are on the host
         if self.device.type == "cpu":
@@ -103,6 +107,8 @@ class ModelRunner:
         """Enqueue the batch on the forward stream; returns without waiting. The
         batch's host tensors are built here, on the schedule side (``step_inputs``).
         ``new_period``: the scheduler was idle before this batch (for the timeline)."""
+        if self.relay is not None:
+            self.relay.launch(batch, sampling, new_period)
         inputs = StepInputs.build(batch, self._table_width, self._pin)
         run = functools.partial(self._timed_step, batch, inputs, sampling, new_period)
         return self.driver.launch(batch, run)
@@ -111,6 +117,8 @@ class ModelRunner:
         """Freed rows forget their futures, in stream order (after any queued read).
         Only the debug checks care, so without them nothing is enqueued."""
         if rows and self.future_map.debug:
+            if self.relay is not None:
+                self.relay.discard(rows)
             self.stream.submit(self.future_map.discard, rows)
 
     # -- on the forward stream --------------------------------------------------------------

@@ -30,9 +30,11 @@ from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.distributed import RankGroup, StepRelay, rank_device
 from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.model_runner import ModelRunner
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model, resolve_dtype
+from tandem.scheduler.models.tensor_parallel import SINGLE
 from tandem.scheduler.sampling import PenaltyState, Sampler
 from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.speculative import (
@@ -71,10 +73,17 @@ class EngineParts:
     scheduler: Scheduler
 
 
-def wire(cfg: EngineConfig) -> EngineParts:
-    """Resolve the model facts, then build the parts (loading the weights)."""
+def wire(cfg: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
+    """Resolve the model facts, then build the parts (loading the weights). With
+    ``ranks`` (tensor parallelism), this rank's parts: its shard of the model and of
+    the KV heads, pools the same size on every rank, and on rank 0 the relay that sends
+    each launched step to the others."""
     model_path = Path(cfg.model_path) if cfg.model_path else default_model_path()
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tp = ranks.tp if ranks is not None else SINGLE
+    if ranks is not None:
+        device = torch.device(rank_device(cfg, ranks.local_rank) or "cpu")
+    else:
+        device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mc = ModelConfig.from_pretrained(model_path)
     dtype = resolve_dtype(cfg.dtype, mc)
     max_pos = mc.max_position_embeddings
@@ -84,11 +93,12 @@ def wire(cfg: EngineConfig) -> EngineParts:
             f"max_position_embeddings ({max_pos})"
         )
     context_length = cfg.context_length or max_pos
+    local = tp.local_config(mc)
     forward_threads = None
     if device.type == "cpu":
-        forward_threads = cfg.cpu_forward_threads or default_forward_threads(
-            mc, torch.get_num_threads()
-        )
+        # The ranks of one machine share its cores.
+        cores = max(1, torch.get_num_threads() // (cfg.tp_size // cfg.nnodes))
+        forward_threads = cfg.cpu_forward_threads or default_forward_threads(local, cores)
     tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or model_path))
     eos_ids = _eos_ids(model_path, mc, tokenizer)
 
@@ -100,15 +110,18 @@ def wire(cfg: EngineConfig) -> EngineParts:
         device=device,
         load_format=cfg.load_format,
         seed=cfg.random_seed,
+        tp=tp,
     )
-    layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype)
+    layout = KVLayout(local.num_hidden_layers, local.num_key_value_heads, local.head_dim, dtype)
     pages = _num_pages(cfg, layout, device, context_length)
+    if ranks is not None:
+        pages = ranks.agree_min(pages)  # rank 0 schedules pages every rank must have
     kv_pool = PagedKVPool(pages, cfg.page_size, layout, device)
     rows = cfg.max_running_requests
     # A speculative step may map and write up to two lookaheads past the context.
     req_pool = ReqToTokenPool(rows, context_length + 2 * cfg.speculative_lookahead, device)
     heads = HeadShape(
-        mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.head_dim**-0.5, dtype
+        local.num_attention_heads, local.num_key_value_heads, mc.head_dim, mc.head_dim**-0.5, dtype
     )
     backend = cfg.attention_backend or default_backend(device)
     attention = create_attention_backend(
@@ -141,6 +154,7 @@ def wire(cfg: EngineConfig) -> EngineParts:
         copy_stream=None if device.type == "cpu" else DeviceStream(device),
         graphs=graphs,
         decode_trace=_decode_trace(cfg, model, attention, device),
+        relay=StepRelay(ranks) if ranks is not None and ranks.rank == 0 else None,
     )
     scheduler = Scheduler(
         cfg, runner, eos_ids=eos_ids, context_length=context_length, strict_accounting=debug
@@ -184,7 +198,7 @@ def _decode_graphs(
 ) -> DecodeGraphRunner | None:
     """Capture the decode forward in CUDA graphs, unless disabled or impossible
     (not CUDA, a backend that cannot be captured, speculative decoding)."""
-    if device.type != "cuda" or cfg.disable_cuda_graph or cfg.speculative:
+    if device.type != "cuda" or cfg.disable_cuda_graph or cfg.speculative or cfg.tp_size > 1:
         return None
     if not attention.supports_cuda_graph:
         log.info(
@@ -237,8 +251,9 @@ def _decode_trace(
 ) -> DecodeTrace | None:
     """The CPU decode trace, unless disabled or of no use: it replays the steps that
     continue a ``torch`` backend's decode stage, which exist on the CPU only, and not
-    the speculative steps."""
-    if cfg.disable_decode_trace or cfg.speculative or device.type != "cpu":
+    the speculative steps; nor a sharded model's (the trace cannot record its
+    collectives)."""
+    if cfg.disable_decode_trace or cfg.speculative or device.type != "cpu" or cfg.tp_size > 1:
         return None
     if not isinstance(attention, TorchAttention) or not attention.decode_stage:
         return None

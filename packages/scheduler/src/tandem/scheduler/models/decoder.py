@@ -29,6 +29,12 @@ from tandem.scheduler.models.packing import (
     with_onednn,
 )
 from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
+from tandem.scheduler.models.tensor_parallel import (
+    SINGLE,
+    TensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 
 # Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
 _FUSED_NORM_MAX_ELEMENTS = 64 * 1024
@@ -74,11 +80,14 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention: project, optionally norm q/k per head, rotate, then hand the heads
-    to the attention backend, which owns the KV cache and the causal mask."""
+    to the attention backend, which owns the KV cache and the causal mask. Under tensor
+    parallelism ``config`` counts this rank's heads, and the output projection's
+    partial sums are all-reduced."""
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -124,14 +133,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = attn.forward(self.layer_id, q, k, v, scale=self.scale)
-        return self.o(out)[0] if self.o is not None else self.o_proj(out)
+        out = self.o(out)[0] if self.o is not None else self.o_proj(out)
+        return self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; under tensor parallelism
+    over this rank's intermediate units, ``down``'s partial sums all-reduced."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
@@ -152,18 +164,19 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         inner = F.silu(gate) * up
-        return self.down(inner)[0] if self.down is not None else self.down_proj(inner)
+        out = self.down(inner)[0] if self.down is not None else self.down_proj(inner)
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -180,17 +193,21 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm: the checkpoints' ``model.`` prefix."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         # Built on the meta device and filled by the loader: passing the (empty) weight
         # skips the random init, whose meta-device path imports torch._dynamo (seconds).
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size),
-        )
+        self.embed_tokens: nn.Embedding
+        if tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size,
+                config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size),
+            )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Shared by every layer: one gather of the cos/sin table per forward, not per layer.
@@ -226,13 +243,21 @@ class CausalLM(nn.Module):
 
     ``forward`` stops at the final norm so the caller picks which rows need logits
     (usually one per request) before paying for the vocabulary projection.
+
+    ``tp``: this rank's place under tensor parallelism (``models.tensor_parallel``);
+    ``config`` is then the rank's share (``TensorParallel.local_config``).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(config, tp)
+        self.lm_head: nn.Linear
+        if tp.size > 1:
+            self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.head: PackedLinear | None = None  # the CPU's oneDNN head, set by ``pack``
         self.tie_weights()
 
@@ -265,9 +290,8 @@ class CausalLM(nn.Module):
         if onednn:
             # Not a view of the parameter: the head is also the embedding when tied,
             # and EAGLE's draft multiplies by ``lm_head`` itself.
-            self.head = with_onednn(
-                PackedLinear(self.lm_head.weight, None, (self.config.vocab_size,))
-            )
+            rows = self.lm_head.weight.shape[0]
+            self.head = with_onednn(PackedLinear(self.lm_head.weight, None, (rows,)))
 
     def onednn_weights(self) -> tuple[torch.Tensor, ...]:
         """Every weight the forward reads in oneDNN's layout (empty unless packed so)."""
@@ -300,5 +324,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 logits (sampling wants float32)."""
-        logits = self.head(hidden)[0] if self.head is not None else self.lm_head(hidden)
+        if self.head is None:
+            logits = self.lm_head(hidden)  # a ``VocabParallelHead`` gathers its blocks
+        elif isinstance(self.lm_head, VocabParallelHead):
+            logits = self.lm_head.gather(self.head(hidden)[0])
+        else:
+            logits = self.head(hidden)[0]
         return as_dtype(logits, torch.float32)

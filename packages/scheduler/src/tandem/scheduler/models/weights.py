@@ -14,12 +14,14 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from tandem.scheduler.models.config import ModelConfig
 from tandem.scheduler.models.decoder import CausalLM, RMSNorm
+from tandem.scheduler.models.tensor_parallel import SINGLE, TensorParallel
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
 DUMMY_STD = 0.02
@@ -62,28 +64,32 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """A ``CausalLM`` on ``device`` in ``dtype``, in eval mode, without gradients.
 
     ``load_format``: ``"auto"``/``"safetensors"`` read ``model_path`` (one
     ``model.safetensors`` or shards listed by ``model.safetensors.index.json``);
     ``"dummy"`` ignores it and draws weights from ``seed`` (see ``dummy_tensor``).
+    ``tp``: build this rank's shard, reading only its slice of each tensor (dummy
+    weights are the same values as one rank's, sliced).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     device = torch.device(device)
+    model = _build_on_meta(config, dtype, tp)
+    whole = expected_shapes(_build_on_meta(config, dtype) if tp.size > 1 else model)
     if load_format == "dummy":
-        model = _materialize(_build_on_meta(config, dtype), device)
-        _fill_dummy(model, seed)
+        model = _materialize(model, device)
+        _fill_dummy(model, seed, whole, config)
         return _for_inference(model)
     if model_path is None:
         raise ValueError(f"load_format {load_format!r} needs a model_path")
     files = checkpoint_files(Path(model_path))
     found = _tensor_shapes(files)
-    model = _build_on_meta(config, dtype)
-    check_checkpoint(expected_shapes(model), found, config, where=str(model_path))
+    check_checkpoint(whole, found, config, where=str(model_path))
     model = _materialize(model, device)
-    _copy_checkpoint(model, files)
+    _copy_checkpoint(model, files, config)
     return _for_inference(model)
 
 
@@ -166,10 +172,13 @@ def dummy_tensor(
     return torch.randn(shape, generator=generator, device=device).mul_(DUMMY_STD)
 
 
-def _build_on_meta(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
-    """Shapes and dtypes without storage; also where a bad config (rope type, ...) fails."""
+def _build_on_meta(
+    config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE
+) -> CausalLM:
+    """Shapes and dtypes without storage (``tp``'s shard of them); also where a bad
+    config (rope type, ...) fails."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(tp.local_config(config), tp)
     return model.to(dtype=dtype)
 
 
@@ -197,29 +206,59 @@ def _tensor_shapes(files: Iterable[Path]) -> dict[str, Shape]:
 
 
 @torch.no_grad()
-def _copy_checkpoint(model: CausalLM, files: Iterable[Path]) -> None:
+def _copy_checkpoint(model: CausalLM, files: Iterable[Path], config: ModelConfig) -> None:
     """Copy each stored tensor into its parameter, converting dtype and device on the way.
 
-    Only names the model expects are read, so ignorable extras never cost a load.
+    Only names the model expects are read, so ignorable extras never cost a load; under
+    tensor parallelism only the rank's slice of each (``TensorParallel.shard_rule``).
     """
     params = dict(model.named_parameters())
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in params:
-                    params[name].copy_(f.get_tensor(name))
+                    _copy_shard(params[name], f.get_slice(name), name, model.tp, config)
+
+
+def _copy_shard(
+    param: torch.Tensor, stored: Any, name: str, tp: TensorParallel, config: ModelConfig
+) -> None:
+    """Fill ``param`` with its rank's part of ``stored`` (a safetensors slice or a
+    tensor): the whole, a slice along one dimension (zeros past the end, the padded
+    vocabulary), or for a reduced product's bias the whole on rank 0, zeros elsewhere."""
+    rule = tp.shard_rule(name, config)
+    if rule is None:
+        param.copy_(stored[:])
+        return
+    if rule == "first":
+        param.copy_(stored[:]) if tp.rank == 0 else param.zero_()
+        return
+    assert not isinstance(rule, str)
+    dim, indices = rule
+    shape = stored.get_shape() if hasattr(stored, "get_shape") else stored.shape
+    stop = min(indices.stop, shape[dim])
+    index = (slice(None),) * dim + (slice(indices.start, stop),)
+    part = stored[index]
+    if stop - indices.start == len(indices):
+        param.copy_(part)
+        return
+    param.zero_()
+    param.narrow(dim, 0, max(0, stop - indices.start)).copy_(part)
 
 
 @torch.no_grad()
-def _fill_dummy(model: CausalLM, seed: int) -> None:
+def _fill_dummy(
+    model: CausalLM, seed: int, whole: Mapping[str, Shape], config: ModelConfig
+) -> None:
+    """Each parameter's ``dummy_tensor`` for the whole model, then the rank's part."""
     norms = {
         f"{module_name}.weight"
         for module_name, module in model.named_modules()
         if isinstance(module, RMSNorm)
     }
     for name, param in model.named_parameters():
-        shape = tuple(param.shape)
-        param.copy_(dummy_tensor(name, shape, seed, is_norm=name in norms, device=param.device))
+        value = dummy_tensor(name, whole[name], seed, is_norm=name in norms, device=param.device)
+        _copy_shard(param, value, name, model.tp, config)
 
 
 def _for_inference(model: CausalLM) -> CausalLM:
