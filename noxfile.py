@@ -30,6 +30,7 @@ ROOT = Path(__file__).parent
 TORCH_CPU = "torch==2.13.0"
 PACKAGES = ("core-futuremap", "scheduler", "spec-eagle", "server")
 PACKAGE_DIRS = tuple(f"packages/{name}" for name in PACKAGES)
+SMG = "smg>=1.13"
 # transformers is the reference implementation the engine is checked against; the
 # official openai client (over httpx) is the reference client of the server.
 TEST_DEPS = (
@@ -45,6 +46,8 @@ TEST_DEPS = (
     # The docs site's benchmark hook (docs/hooks/bench_figures.py) is tested too.
     "mkdocs>=1.6",
     "matplotlib>=3.8",
+    # The SGLang Model Gateway, in front of two workers (packages/server/tests/test_gateway.py).
+    SMG,
 )
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
 # What `nox -s serve` runs, and so what `nox -s smoke` checks.
@@ -267,6 +270,19 @@ def demo(session: nox.Session) -> None:
     _install_cpu_stack(session)
     args = session.posargs or ["--prompt", "Once upon a time", "--max-new-tokens", "32"]
     session.run("python", "-m", "tandem.scheduler", "--device", "cpu", *args)
+
+
+@nox.session
+def gateway(session: nox.Session) -> None:
+    """Two CPU `tandem serve` workers behind the SGLang Model Gateway, benchmarked through it.
+
+    Installs what ``serve`` installs and ``smg``, then runs ``tools/gateway_bench.py``:
+    the workers and ``smg launch --policy cache_aware`` on free loopback ports, ``tandem
+    bench serve`` through the gateway, every process stopped at the end. Arguments after
+    -- go to the script (``-- --policy round_robin -- --num-prompts 128``).
+    """
+    _install_cpu_stack(session, SMG)
+    session.run("python", "tools/gateway_bench.py", *session.posargs)
 
 
 @nox.session

@@ -98,6 +98,32 @@ def test_a_refused_request_leaves_requests_in_flight_alone(checkpoints: dict[str
     assert info["free_rows"] == info["max_running_requests"]
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_flush_cache_empties_the_radix_cache_only_when_idle(
+    checkpoints: dict[str, Path], overlap: bool
+) -> None:
+    prompt = [(7 * i) % VOCAB for i in range(30)]
+    long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with _engine(checkpoints["llama"], disable_overlap_schedule=not overlap) as engine:
+        engine.generate(input_ids=prompt, sampling_params=PARAMS)
+        assert engine.get_server_info()["cached_kv_tokens"] > 0
+        stream = engine.generate(input_ids=prompt, sampling_params=long, stream=True)
+        next(stream)  # the request is running now
+        assert engine.flush_cache() is False
+        assert engine.get_server_info()["cached_kv_tokens"] > 0
+        for _ in stream:
+            pass
+        for _ in range(3):  # right after the answer, its last batch maybe still in flight
+            assert engine.flush_cache() is True
+            info = engine.get_server_info()
+            assert info["cached_kv_tokens"] == 0
+            assert info["available_kv_tokens"] == info["max_total_tokens"]
+            again = engine.generate(input_ids=prompt, sampling_params=PARAMS)
+            assert again["meta_info"]["cached_tokens"] == 0  # nothing left to match
+    with _engine(checkpoints["llama"], disable_radix_cache=True) as engine:
+        assert engine.flush_cache() is True  # nothing to flush
+
+
 def test_n_samples_per_prompt(checkpoints: dict[str, Path]) -> None:
     params = {"max_new_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3, "ignore_eos": True}
     with _engine(checkpoints["llama3"]) as engine:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -117,3 +120,33 @@ def process_alive(pid: int) -> bool:
         return stat.read_text().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:  # gone meanwhile; or no /proc at all, and kill said alive
         return not Path("/proc/self").exists()
+
+
+def stream_in_background(url: str, headers: dict[str, str]) -> tuple[threading.Thread, list[str]]:
+    """A long streamed completion read on a thread (started): its SSE lines collect in
+    the list, so a test can break the server under it and see how the stream ends."""
+    body = {"prompt": "hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+
+    def read() -> None:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=30
+        ) as r:
+            lines.extend(r.iter_lines())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    return reader, lines
+
+
+def call_asgi(app: Any, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """One request to an ASGI app in this process (no server, no socket)."""
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://127.0.0.1:30000", timeout=10
+        ) as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(go())

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_process import LiveServer, live_server, metric
+from server_process import LiveServer, live_server, metric, metric_at_least
 
 from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.tokenizer import Tokenizer
@@ -304,3 +304,58 @@ def test_64_concurrent_streams(server: LiveServer) -> None:
     assert len(asyncio.run(main())) == 64
     _wait_idle(server.url)
     assert metric(server.url, "tandem_time_to_first_token_seconds_count") >= 64
+
+
+def test_server_info_under_sglangs_names(server: LiveServer) -> None:
+    info = httpx.get(f"{server.url}/server_info", timeout=10).json()
+    old = httpx.get(f"{server.url}/get_server_info", timeout=10).json()
+    assert set(info) == set(old)
+    assert info["served_model_name"] == MODEL
+    assert info["version"] == old["version"]
+    assert info["context_length"] == old["context_length"] > 0
+
+
+def test_model_info(server: LiveServer) -> None:
+    for path in ("/get_model_info", "/model_info"):
+        info = httpx.get(f"{server.url}{path}", timeout=10).json()
+        assert info["is_generation"] is True
+        assert info["model_type"] == "llama"
+        assert info["architectures"] == ["LlamaForCausalLM"]
+        assert "model_path" not in info  # a path of the host: only with the API key
+
+
+def test_loads(server: LiveServer) -> None:
+    body = httpx.get(f"{server.url}/v1/loads", params={"include": "core,queues"}, timeout=10)
+    assert body.status_code == 200, body.text
+    (load,) = body.json()["loads"]
+    assert load["dp_rank"] == 0
+    assert load["max_total_num_tokens"] > 0
+    assert 0 <= load["token_usage"] <= 1
+    bad = httpx.get(f"{server.url}/v1/loads", params={"include": "nope"}, timeout=10)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "query.include"
+
+
+def test_flush_cache_only_when_idle(server: LiveServer) -> None:
+    _wait_idle(server.url)
+    body = {"text": PROMPT * 8, "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(f"{server.url}/generate", json=body, timeout=30).status_code == 200
+    assert metric_at_least(server.url, "tandem_kv_cached_tokens", 1) > 0
+    long = {
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "stream": True,
+        "ignore_eos": True, "temperature": 0,
+    }  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=30) as r:
+        lines = r.iter_lines()  # left open: leaving its loop would close the stream
+        assert next(lines).startswith("data:")
+        busy = httpx.post(f"{server.url}/flush_cache", timeout=30)
+        del lines
+    assert busy.status_code == 400, busy.text
+    assert busy.json()["error"]["code"] == "server_busy"
+    _wait_idle(server.url)
+    done = httpx.post(f"{server.url}/flush_cache", timeout=30)
+    assert done.status_code == 200, done.text
+    deadline = time.monotonic() + 10
+    while metric(server.url, "tandem_kv_cached_tokens") > 0:
+        assert time.monotonic() < deadline, "the radix cache was not emptied"
+        time.sleep(0.05)

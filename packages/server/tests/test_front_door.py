@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_process import free_port, live_server
+from server_process import call_asgi, free_port, live_server
 
 from tandem.server.config import ServerConfig
 from tandem.server.errors import install_handlers
@@ -89,14 +89,7 @@ def small_app(config: ServerConfig, lifecycle: Lifecycle | None = None) -> FastA
 
 
 def call(app: FastAPI, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://127.0.0.1:30000", timeout=10
-        ) as client:
-            return await client.request(method, path, **kwargs)
-
-    return asyncio.run(go())
+    return call_asgi(app, method, path, **kwargs)
 
 
 def post(app: FastAPI, path: str = "/v1/completions", **kwargs: Any) -> httpx.Response:

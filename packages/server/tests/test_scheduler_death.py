@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_process import live_server, scrape
+from server_process import live_server, scrape, stream_in_background
 
 KEY = "sk-scheduler-death"  # /get_server_info shows the scheduler's pid only with the key
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -38,16 +37,7 @@ def _alive(pid: int) -> bool:
 def test_killed_scheduler_fails_requests_and_health(tmp_path: Path) -> None:
     with live_server(tmp_path, "--api-key", KEY) as server:
         pid = _scheduler_pid(server.url)
-        body = {"prompt": "hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
-        lines: list[str] = []
-
-        def stream() -> None:
-            url = f"{server.url}/v1/completions"
-            with httpx.stream("POST", url, json=body, headers=AUTH, timeout=30) as r:
-                lines.extend(r.iter_lines())
-
-        reader = threading.Thread(target=stream)
-        reader.start()
+        reader, lines = stream_in_background(server.url, AUTH)
         time.sleep(1.0)
         before = scrape(server.url, AUTH)
         assert before["tandem_scheduler_up"] == 1

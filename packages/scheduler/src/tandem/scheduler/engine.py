@@ -159,6 +159,16 @@ class Engine:
         once no launched batch still uses them. Unknown or finished ids are ignored."""
         self._loop.abort(request_id)
 
+    def flush_cache(self) -> bool:
+        """Empty the radix prefix cache (SGLang's ``flush_cache``), freeing its KV pages.
+
+        Only an idle engine flushes: with a request queued or running this returns
+        ``False`` and changes nothing. A batch still in flight for requests that have
+        already finished is waited for first. Returns ``True`` once flushed (also
+        without a radix cache, where there is nothing to flush)."""
+        self._check_running()
+        return self._loop.flush_cache()
+
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
         """Decode batch sizes captured in CUDA graphs (empty without graphs)."""

@@ -1,6 +1,6 @@
 """The loop thread: runs the scheduler and hands each step's output to its waiters.
 
-Callers talk to it through an inbox (add, abort, stop), which it drains between
+Callers talk to it through an inbox (add, abort, flush, stop), which it drains between
 steps; it blocks on the inbox only when the scheduler has no work. If the loop dies,
 every waiter gets the exception and later calls are refused.
 """
@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 from tandem.scheduler.messages import Update
@@ -19,6 +20,10 @@ from tandem.scheduler.scheduler import Scheduler
 from tandem.scheduler.streams import Chunk, Delta, Outbox, Waiter, put_all
 
 log = logging.getLogger(__name__)
+
+_FLUSH_DRAIN_ITERATIONS = 8
+"""Iterations a flush may run to land the batches still in flight for finished requests
+(one or two in practice) before it gives up."""
 
 
 class EngineLoop:
@@ -42,6 +47,18 @@ class EngineLoop:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache once the loop reaches it in the inbox, if no request is
+        queued or running then; ``False`` otherwise."""
+        done: Future[bool] = Future()
+        self._inbox.put(("flush", done))
+        while True:
+            try:
+                return done.result(timeout=0.1)
+            except TimeoutError:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the scheduler loop is not running") from self.failure
 
     def stop(self) -> None:
         """Stop the thread; pending requests end with an error."""
@@ -79,6 +96,25 @@ class EngineLoop:
                 self.scheduler.add(item)
             elif kind == "abort":
                 self.scheduler.abort(item)
+            elif kind == "flush":
+                try:
+                    item.set_result(self._flush())
+                except BaseException as exc:
+                    item.set_exception(exc)
+                    raise
+
+    def _flush(self) -> bool:
+        """The radix cache emptied at idle. What remains of finished requests (a batch in
+        flight, rows waiting for it) is run to the end first, so a flush right after the
+        last answer does not fail on it; a request queued or running refuses it."""
+        scheduler = self.scheduler
+        for _ in range(_FLUSH_DRAIN_ITERATIONS):
+            if scheduler.has_requests():
+                return False
+            if not scheduler.has_work():
+                return scheduler.flush_cache()
+            self._deliver(scheduler.iterate())
+        return False
 
     def _deliver(self, updates: list[Update]) -> None:
         """Hand a step's chunks to their consumers: straight into thread queues, and

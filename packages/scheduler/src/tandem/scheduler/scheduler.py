@@ -107,6 +107,21 @@ class Scheduler:
             s.waiting or s.prefilling or s.running or s.retiring or self._pending or self._previous
         )
 
+    def has_requests(self) -> bool:
+        """Whether a request is queued or running (``has_work`` without what only remains
+        of finished requests: a batch in flight, retiring rows, aborts to report)."""
+        s = self.stages
+        return bool(s.waiting or s.prefilling or s.running)
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache, SGLang's ``flush_cache``: only with no work at all
+        (returns ``False`` otherwise, and nothing changes)."""
+        if self.has_work():
+            return False
+        if self.radix is not None:
+            self.radix.reset()
+        return True
+
     # -- one iteration ----------------------------------------------------------------------
     def iterate(self) -> list[Update]:
         """One iteration of the configured loop; returns what requests produced."""

@@ -19,8 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.scheduler.tokenizer import Tokenizer
-from tandem.server import openapi_schemas, parsing, prepare
+from tandem.server import gateway, openapi_schemas, parsing, prepare
 from tandem.server.config import ServerConfig
+from tandem.server.dp_client import DataParallelClient
 from tandem.server.errors import APIError, error_body, install_handlers
 from tandem.server.front_door import authenticated, install_front_door, public_info
 from tandem.server.generation import (
@@ -46,7 +47,7 @@ DEFAULT_SERVED_NAME = "default"  # the embedded default model's served name
 
 @dataclass
 class ServerState:
-    client: SchedulerClient
+    client: SchedulerClient | DataParallelClient
     metrics: Metrics
     tokenizer: Tokenizer | None
     limits: Limits
@@ -72,9 +73,15 @@ def ready_line(app: FastAPI, url: str) -> str:
 def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     lifecycle = Lifecycle()
-    client = SchedulerClient(
-        engine_kwargs, watchdog_timeout_s=config.watchdog_timeout, on_hung=lifecycle.give_up
-    )
+    client: SchedulerClient | DataParallelClient
+    if config.dp_size > 1:
+        client = DataParallelClient.launch(
+            engine_kwargs, config.dp_size, config.watchdog_timeout, on_hung=lifecycle.give_up
+        )
+    else:
+        client = SchedulerClient(
+            engine_kwargs, watchdog_timeout_s=config.watchdog_timeout, on_hung=lifecycle.give_up
+        )
     holder: dict[str, ServerState] = {}
     model_name = served_name(engine_kwargs, config.served_model_name)
 
@@ -160,10 +167,16 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
             ],
         }
 
+    @app.get("/server_info")  # SGLang's newer name, which smg asks for first
     @app.get("/get_server_info")
     async def server_info(request: Request) -> dict[str, Any]:
-        info = {**client.info, "scheduler_alive": client.alive}
+        info = {
+            **client.info, "served_model_name": model_name, "version": gateway.version(),
+            "scheduler_alive": client.alive,
+        }  # fmt: skip
         return info if authenticated(request) else public_info(info)
+
+    gateway.install(app, client, engine_kwargs, config.watchdog_timeout)
 
     @app.get("/metrics")
     async def metrics() -> Response:

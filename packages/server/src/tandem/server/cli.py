@@ -183,6 +183,16 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     kwargs = engine_kwargs(args)
     _check(parser, kwargs)
+    engine_config = EngineConfig.from_options(kwargs)
+    if engine_config.tp_size > 1:
+        from tandem.scheduler.distributed import check_ranks, start_node
+
+        try:
+            check_ranks(engine_config)
+        except ValueError as exc:
+            parser.error(f"argument --tp-size: {exc}")
+        if engine_config.node_rank > 0:  # this machine runs ranks only; node 0 serves
+            return start_node(engine_config)
     config = server_config(args)
     try:
         config.validate()

@@ -44,6 +44,12 @@ class ServerConfig:
         watchdog_timeout: Seconds the scheduler may go without progress while work is
             pending (or without a heartbeat at all) before the server declares it hung,
             fails every request with 503 and exits non-zero.
+        dp_size: Data-parallel replicas (SGLang's option): this many scheduler
+            processes, each a full copy of the engine, behind this one API process; each
+            request goes to the replica with the fewest open jobs (prompts x n). On the
+            CPU, without ``cpu_forward_threads``, each replica's forward gets cores /
+            dp_size threads. A replica that dies or hangs fails the whole server (503,
+            then exit non-zero).
     """
 
     host: str = "127.0.0.1"
@@ -58,11 +64,12 @@ class ServerConfig:
     tokenizer_workers: int = 2
     graceful_shutdown_timeout: float = 30.0
     watchdog_timeout: float = 300.0
+    dp_size: int = 1
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
-        for name in ("max_request_bytes", "max_choices", "tokenizer_workers"):
+        for name in ("max_request_bytes", "max_choices", "tokenizer_workers", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("graceful_shutdown_timeout", "watchdog_timeout"):

@@ -27,6 +27,9 @@ from tandem.server.lifecycle import Lifecycle
 
 _AUTHENTICATED = "tandem.authenticated"  # scope key: the request presented the API key
 _OPEN_WHILE_NOT_ACCEPTING = ("/health", "/metrics")
+# POST routes that take no body: sent without one (as a gateway sends /flush_cache), they
+# need no content type, since there is no body a browser could have smuggled in.
+_BODYLESS_POSTS = frozenset({"/flush_cache"})
 _PATH_KEYS = frozenset(
     {"model_path", "tokenizer_path", "draft_model_path", "speculative_draft_model_path"}
 )
@@ -56,7 +59,16 @@ def authenticated(conn: Scope | HTTPConnection) -> bool:
 def public_info(info: Mapping[str, Any]) -> dict[str, Any]:
     """``/get_server_info`` for a caller who did not present the key: without paths of
     the host's filesystem or process ids, which tell an attacker where to look."""
-    return {k: v for k, v in info.items() if not _private(k, v)}
+    return {k: _public(v) for k, v in info.items() if not _private(k, v)}
+
+
+def _public(value: Any) -> Any:
+    """A nested figure (``--dp-size``'s per-replica ``replicas``) filtered the same way."""
+    if isinstance(value, Mapping):
+        return public_info(value)
+    if isinstance(value, list):
+        return [_public(v) for v in value]
+    return value
 
 
 def _private(key: str, value: Any) -> bool:
@@ -166,7 +178,7 @@ class Gate:
                 )
                 await _refuse(send, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
                 return
-        if method == "POST" and path in self.post_paths:
+        if method == "POST" and path in self.post_paths and not _bodyless(scope, path):
             raw = _header(scope, b"content-type")
             media = (raw or b"").split(b";", 1)[0].strip().lower()
             if media != b"application/json":
@@ -228,6 +240,16 @@ class Gate:
         except ClientDisconnect:
             if not refused:
                 raise
+
+
+def _bodyless(scope: Scope, path: str) -> bool:
+    """A POST without a body to a route that takes none."""
+    if path not in _BODYLESS_POSTS:
+        return False
+    length = _header(scope, b"content-length")
+    if length is not None:
+        return length.strip() == b"0"
+    return _header(scope, b"transfer-encoding") is None
 
 
 def _bearer(scope: Scope) -> bytes | None:

@@ -333,6 +333,19 @@ HEALTH: dict[str, Any] = {
 }
 
 
+_OBJECT = {"application/json": {"schema": {"type": "object"}}}
+GATEWAY_INFO: dict[str, Any] = {
+    "responses": {"200": {"description": "SGLang's fields (see gateway.py)", "content": _OBJECT}}
+}
+FLUSH_CACHE: dict[str, Any] = {
+    "responses": {
+        "200": {"description": "The radix cache was emptied", "content": _OBJECT},
+        "400": _error("not flushed: requests are queued or running (code server_busy)"),
+        "503": _UNAVAILABLE,
+    }
+}
+
+
 def document(app: FastAPI, limits: Callable[[], Limits | None], max_choices: int) -> None:
     """Make ``app.openapi()`` carry what every route may answer (400 for a refused Host,
     401, 405, 503 while draining; ``/metrics`` as text) and the bounds of the loaded model,

@@ -15,13 +15,15 @@ import msgpack
 ADD = "add"  # jobs: [{rid, input_ids, params, return_logprob, top_logprobs_num}], all or none
 ABORT = "abort"  # rids
 STOP = "stop"
+FLUSH_CACHE = "flush_cache"  # id: empty the radix cache if idle (answered by FLUSHED)
 
 # scheduler -> API
 READY = "ready"  # info
-FATAL = "fatal"  # message (the engine could not start)
+FATAL = "fatal"  # message (the engine could not start, or can no longer run)
 STEP = "step"  # out: one step's deltas, one per request with news (streams.Outbox)
 ERROR = "error"  # rids, message, invalid (True: the request was bad, not the engine)
 INFO = "info"  # info: get_server_info() figures, a few times a second (also the heartbeat)
+FLUSHED = "flushed"  # id, flushed (False: requests were queued or running), error if failed
 
 
 def encode(message: dict[str, Any]) -> bytes:

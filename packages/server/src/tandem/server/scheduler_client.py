@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,8 @@ class SchedulerClient:
         self.tokenizer: Tokenizer | None = None
         self.alive = False
         self._open: dict[str, _Ticket] = {}
+        self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        """Answers awaited from the scheduler (``FLUSHED``), by the id the request carried."""
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._last_heard = self._last_progress = 0.0
@@ -204,6 +207,22 @@ class SchedulerClient:
                     msg = {"type": protocol.ABORT, "rids": sorted(running)}
                     self._push.send(protocol.encode(msg))
 
+    async def flush_cache(self) -> bool:
+        """Empty the engine's radix cache; ``False`` (nothing changed) while a request is
+        queued or running there (``Engine.flush_cache``)."""
+        if not self.alive:
+            raise SchedulerUnavailable("the scheduler process is not running")
+        token = uuid.uuid4().hex
+        reply = self._replies[token] = asyncio.get_running_loop().create_future()
+        try:
+            await self._push.send(protocol.encode({"type": protocol.FLUSH_CACHE, "id": token}))
+            answer = await reply
+        finally:
+            self._replies.pop(token, None)
+        if answer.get("error"):
+            raise SchedulerUnavailable(str(answer["error"]))
+        return bool(answer["flushed"])
+
     # -- background tasks ----------------------------------------------------------------------
     async def _receive(self) -> None:
         while True:
@@ -219,6 +238,15 @@ class SchedulerClient:
                 self._last_progress = self._last_heard
                 for delta in msg["out"]:
                     self._route(delta)
+            elif kind == protocol.FATAL:  # the engine cannot go on (a rank exited)
+                log.error("the scheduler failed: %s", msg["message"])
+                self._gone(SchedulerUnavailable(f"the engine failed: {msg['message']}"))
+                if self.on_hung is not None and not self._closing:
+                    self.on_hung(msg["message"])
+            elif kind == protocol.FLUSHED:
+                reply = self._replies.get(msg["id"])
+                if reply is not None and not reply.done():
+                    reply.set_result(msg)
             elif kind == protocol.ERROR:
                 error = RequestFailed(msg["message"], bool(msg.get("invalid")))
                 # An error names the rids of one ADD, or one rid: one HTTP request.
@@ -272,3 +300,6 @@ class SchedulerClient:
     def _fail_all(self, error: BaseException) -> None:
         for ticket in self._tickets():
             ticket.deltas.put_nowait(error)
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(error)

@@ -78,6 +78,7 @@ def run(engine_kwargs: dict[str, Any], in_addr: str, out_addr: str, parent_pid: 
     outbox = StepSender(steps)
     push.send(protocol.encode({"type": protocol.READY, "info": _info(engine)}))
     last_info = 0.0
+    failed = False
     try:
         while os.getppid() == parent_pid:  # the API process is gone: never outlive it
             if pull.poll(_POLL_MS):
@@ -90,6 +91,13 @@ def run(engine_kwargs: dict[str, Any], in_addr: str, out_addr: str, parent_pid: 
                 elif kind == protocol.ABORT:
                     for rid in msg["rids"]:
                         engine.abort(rid)
+                elif kind == protocol.FLUSH_CACHE:
+                    _flush_cache(engine, msg, push)
+            if engine.failure is not None:  # a tensor-parallel rank exited, say
+                log.error("the engine failed: %s", engine.failure)
+                push.send(protocol.encode({"type": protocol.FATAL, "message": engine.failure}))
+                failed = True
+                break
             now = time.monotonic()
             if now - last_info >= _INFO_PERIOD_S:
                 push.send(protocol.encode({"type": protocol.INFO, "info": _info(engine)}))
@@ -99,6 +107,8 @@ def run(engine_kwargs: dict[str, Any], in_addr: str, out_addr: str, parent_pid: 
         for sock in (push, steps, pull):
             sock.close()
         ctx.term()
+    if failed:
+        sys.exit(1)
 
 
 def _add(engine: Any, msg: dict[str, Any], outbox: StepSender, push: zmq.Socket[bytes]) -> None:
@@ -120,6 +130,16 @@ def _add(engine: Any, msg: dict[str, Any], outbox: StepSender, push: zmq.Socket[
         log.error("refused %d requests: %s", len(rids), exc)
         reply = {"type": protocol.ERROR, "rids": rids, "message": "the engine stopped"}
         push.send(protocol.encode({**reply, "invalid": False}))
+
+
+def _flush_cache(engine: Any, msg: dict[str, Any], push: zmq.Socket[bytes]) -> None:
+    reply: dict[str, Any] = {"type": protocol.FLUSHED, "id": msg["id"], "flushed": False}
+    try:
+        reply["flushed"] = bool(engine.flush_cache())
+    except RuntimeError as exc:  # the engine is shut down or its loop died
+        log.error("flush_cache failed: %s", exc)
+        reply["error"] = "the engine stopped"
+    push.send(protocol.encode(reply))
 
 
 def _info(engine: Any) -> dict[str, Any]:
