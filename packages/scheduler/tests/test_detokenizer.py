@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from byte_fallback import sentencepiece_backend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, normalizers
 
 from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
@@ -36,23 +35,7 @@ def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 def sentencepiece_tokenizer() -> Tokenizer:
     """A Llama 2 style pipeline: ``▁`` for spaces, a leading ``▁`` stripped on decode,
     byte-fallback tokens for characters outside the (character-level) vocabulary."""
-    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    pieces += ["▁", *"abcdefghijklmnopqrstuvwxyzXYZ.,!?'\n"]
-    vocab = {piece: i for i, piece in enumerate(pieces)}
-    backend = BackendTokenizer(
-        models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True)
-    )
-    backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
-    backend.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
+    backend = sentencepiece_backend(["▁", *"abcdefghijklmnopqrstuvwxyzXYZ.,!?'\n"])
     return Tokenizer(
         backend,
         special_tokens=SpecialTokens(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tandem.scheduler.config import EngineConfig
@@ -61,6 +63,7 @@ class Engine:
         self.eos_ids = parts.eos_ids
         self.attention_backend = parts.attention_backend
         self.scheduler = parts.scheduler
+        self._tokenizer_dir = Path(self.config.tokenizer_path or self.model_path)
         self._closed = False
         self._loop = EngineLoop(self.scheduler, speculative=self.config.speculative)
         self._intake = Intake(
@@ -71,7 +74,25 @@ class Engine:
             lookahead=self.config.speculative_lookahead,
             spec=parts.spec,
             in_use=self._loop.waiters.__contains__,
+            grammars=None if self._no_grammar() else lambda: self._grammar_backend,
+            no_grammar=self._no_grammar(),
         )
+
+    def _no_grammar(self) -> str:
+        """Why constrained output cannot be served, or ``""`` when it can."""
+        if not (self._tokenizer_dir / "tokenizer.json").exists():
+            return "constrained output needs the model's tokenizer (tokenizer.json)"
+        if self.config.tp_size > 1:
+            return "constrained output is not supported with tp_size > 1 yet"
+        if self.config.speculative:
+            return "constrained output is not supported with speculative decoding yet"
+        return ""
+
+    @functools.cached_property
+    def _grammar_backend(self) -> Any:
+        from tandem.scheduler.grammar import GrammarBackend  # xgrammar: on first use
+
+        return GrammarBackend(self._tokenizer_dir, self.model_config.vocab_size, self.eos_ids)
 
     def generate(
         self,

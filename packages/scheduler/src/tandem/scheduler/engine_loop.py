@@ -78,6 +78,7 @@ class EngineLoop:
             for waiter in list(self.waiters.values()):
                 waiter.put(exc)
         finally:
+            self.scheduler.abandon_masks()  # a forward waiting for them would never end
             for waiter in list(self.waiters.values()):
                 waiter.put(RuntimeError("the engine shut down before the request finished"))
             self.waiters.clear()

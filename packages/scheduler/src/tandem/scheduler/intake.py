@@ -35,6 +35,7 @@ class _Parsed:
     params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    compiled: Any = None  # its compiled grammar, when its output is constrained
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Intake:
     spec: SpeculativeWorker | None
     in_use: Callable[[str], bool]
     """Whether a request id belongs to a request still running."""
+    grammars: Callable[[], Any] | None = None
+    """The engine's ``grammar.GrammarBackend`` (built on first use), or None when
+    constrained output is refused, for the reason ``no_grammar``."""
+    no_grammar: str = ""
 
     def requests(
         self,
@@ -140,7 +145,21 @@ class Intake:
                 f"request {index}: prompt + max_new_tokens = {need} tokens exceeds the KV "
                 f"pool ({self.kv_capacity_tokens} tokens, max_total_tokens)"
             )
-        return _Parsed(ids, params)
+        return _Parsed(ids, params, compiled=self._compile(index, params))
+
+    def _compile(self, index: int, params: SamplingParams) -> Any:
+        """The request's grammar, compiled here in the caller's thread (cached by the
+        backend), so a bad one is refused before anything is queued and the loop
+        thread never compiles."""
+        grammar = params.grammar
+        if grammar is None:
+            return None
+        if self.grammars is None:
+            raise ValueError(f"request {index}: {grammar[0]}: {self.no_grammar}")
+        try:
+            return self.grammars().compile(*grammar)
+        except ValueError as exc:
+            raise ValueError(f"request {index}: {exc}") from None
 
     def _request_ids(
         self, rid: str | Sequence[str] | None, parsed: list[_Parsed]
@@ -192,6 +211,9 @@ class Intake:
         )
         if times:
             req.token_times = []
+        if item.compiled is not None:
+            assert self.grammars is not None
+            req.grammar = self.grammars().matcher(item.compiled)
         return req
 
 

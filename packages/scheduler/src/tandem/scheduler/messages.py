@@ -8,6 +8,7 @@ docs/concepts/architecture.md follows one request through them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,22 @@ class PenaltyReset:
     prompt_ids: list[int]  # its prompt
     output_ids: list[int]  # its outputs so far (non-empty after a retraction)
     params: SamplingParams  # its penalties
+
+
+@dataclass(slots=True)
+class GrammarMasks:
+    """The token masks of a batch's constrained sampling rows, written by the host
+    once each row's request has received every token before this batch, while the
+    forward runs; sampling waits for ``ready`` (see ``Scheduler.iterate``)."""
+
+    rows: list[int]  # indices into the batch's sampling rows
+    bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)], bit set = allowed
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def allow_all(self) -> None:
+        """Give up on the masks (the loop died before writing them): nothing waits."""
+        self.bitmask.fill_(-1)
+        self.ready.set()
 
 
 @dataclass(slots=True)
@@ -61,6 +78,7 @@ class ScheduledBatch:
     spec_bounds: list[int] = field(default_factory=list)  # spec decode: committed-length bound
     spec_steps: list[int] = field(default_factory=list)  # spec decode: steps launched before
     return_logits: bool = False  # keep the sampled rows' logits (tests, tools)
+    grammar: GrammarMasks | None = None  # constrained sampling rows' masks
     step: int = 0  # the forward step that launched it (names it in the page ledger)
 
     def add(

@@ -98,6 +98,10 @@ class ModelRunner:
             self.copy_stream = copy_stream if copy_stream is not None else DeviceStream(self.device)
             self.driver = DeviceStep(stream, self.copy_stream, model, attention, future_map, graphs)
         self._pin = self.device.type != "cpu"
+        self.vocab_size = penalties.vocab_size
+        # The CPU's forward stream is a thread, which can wait for a batch's grammar
+        # masks at sampling; an accelerator's sampling is enqueued at launch.
+        self.masks_wait_on_stream = self.device.type == "cpu"
         self._table_width = req_pool.req_to_token.shape[1]
         self._capture = spec.capture_layers if spec is not None else ()
 
@@ -205,6 +209,12 @@ class ModelRunner:
         rows: torch.Tensor,
     ) -> tuple[torch.Tensor, StepResult]:
         """Sample the sampling rows' next tokens and stash them."""
+        if batch.grammar is not None:
+            masks = batch.grammar
+            from tandem.scheduler.grammar import apply_bitmask  # xgrammar: on first use
+
+            masks.ready.wait()  # the host writes them while the forward runs
+            apply_bitmask(logits, masks.bitmask.to(logits.device), masks.rows)
         info = None if sampling.plain_greedy else sampling.build(self.device)
         if info is None:
             out = self.sampler.sample_greedy(logits)

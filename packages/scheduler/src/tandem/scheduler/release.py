@@ -47,6 +47,8 @@ class Release:
             self.counters.generated_tokens += 1
             if req.return_logprob and result.logprobs is not None:
                 self._logprobs(req, result, k)
+            if req.grammar is not None:
+                req.grammar.accept(token)  # the mask allowed it, so it is accepted
             reason = self._finish_reason(req, token)
             if reason is not None:
                 self.finish(req, reason)
@@ -67,6 +69,8 @@ class Release:
         params = req.params
         if token_stop(token, params.stop_token_ids or (), self.eos_ids, params.ignore_eos):
             return FinishReason("stop", matched=token)
+        if req.grammar is not None and req.grammar.terminated:
+            return FinishReason("stop", matched=token)  # the grammar is complete
         matched = req.stop.feed([token])
         if matched is not None:
             return FinishReason("stop", matched=matched)

@@ -90,6 +90,9 @@ class Request:
     spec_committed: int = 0
     spec_verify_ct: int = 0
     spec_launched: int = 0
+    # Its output constraint's matcher (``grammar.GrammarMatcher``), advanced with each
+    # token received; None for free output.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.fill_ids:

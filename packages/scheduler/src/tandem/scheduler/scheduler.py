@@ -21,6 +21,7 @@ from tandem.scheduler.counters import Counters
 from tandem.scheduler.decode import DecodeManager
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.messages import (
+    GrammarMasks,
     LaunchedBatch,
     SamplingSpec,
     ScheduledBatch,
@@ -124,23 +125,32 @@ class Scheduler:
 
     # -- one iteration ----------------------------------------------------------------------
     def iterate(self) -> list[Update]:
-        """One iteration of the configured loop; returns what requests produced."""
+        """One iteration of the configured loop; returns what requests produced.
+
+        A batch with constrained rows needs their masks, which depend on every token
+        before it: the normal loop writes them before launch; the overlap loop on the
+        CPU after processing the batch before, while this one's forward runs (its
+        sampling waits for them); on accelerators, whose sampling is enqueued at launch,
+        the overlap loop processes the batch before first, for that step only."""
         start = time.perf_counter()
         updates, self._pending = self._pending, []
         decode_steps = self.counters.decode_steps
+        waited = 0.0
         batch = self.schedule()
+        if batch is not None and batch.grammar is not None:
+            if self.overlap and not self.runner.masks_wait_on_stream:
+                waited += self._land(self._previous, updates)
+                self._previous = None
+            if not self.overlap or not self.runner.masks_wait_on_stream:
+                self._fill_masks(batch)
         launched = self._launch(batch) if batch is not None else None
         if self.overlap:
             previous, self._previous = self._previous, launched
         else:
             previous = launched
-        waited = 0.0
-        if previous is not None:
-            t = time.perf_counter()
-            result = previous.wait()  # the only host wait: this batch's copy-done
-            waited = time.perf_counter() - t
-            self.runner.timeline.collect()
-            updates += self.process(previous.batch, result)
+        waited += self._land(previous, updates)
+        if launched is not None and _unwritten(launched.batch.grammar):
+            self._fill_masks(launched.batch)
         host_s = time.perf_counter() - start - waited
         self.counters.scheduler_s += host_s
         if self.counters.decode_steps != decode_steps:
@@ -150,6 +160,47 @@ class Scheduler:
             if self.strict_accounting:
                 self.check_accounting()
         return updates
+
+    def _land(self, launched: LaunchedBatch | None, updates: list[Update]) -> float:
+        """Wait for ``launched`` (if any) and process it into ``updates``; returns the
+        seconds waited."""
+        if launched is None:
+            return 0.0
+        t = time.perf_counter()
+        result = launched.wait()  # the only host wait: this batch's copy-done
+        waited = time.perf_counter() - t
+        self.runner.timeline.collect()
+        updates += self.process(launched.batch, result)
+        return waited
+
+    def _fill_masks(self, batch: ScheduledBatch) -> None:
+        """Write the constrained rows' masks from their matchers, and say so. A row
+        whose request ended meanwhile (overshoot) may sample anything: it is
+        discarded."""
+        masks = batch.grammar
+        assert masks is not None
+        reqs = batch.sampling_reqs
+        for j, k in enumerate(masks.rows):
+            req = reqs[k]
+            if req.finished:
+                masks.bitmask[j].fill_(-1)
+            else:
+                req.grammar.fill(masks.bitmask, j)
+        masks.ready.set()
+
+    def _masks(self, batch: ScheduledBatch) -> GrammarMasks | None:
+        """Unwritten masks for ``batch``'s constrained sampling rows, or None."""
+        rows = [k for k, req in enumerate(batch.sampling_reqs) if req.grammar is not None]
+        if not rows:
+            return None
+        words = (self.runner.vocab_size + 31) // 32
+        return GrammarMasks(rows, torch.zeros((len(rows), words), dtype=torch.int32))
+
+    def abandon_masks(self) -> None:
+        """The loop is ending mid-step: a batch in flight must not wait for masks."""
+        previous = self._previous
+        if previous is not None and previous.batch.grammar is not None:
+            previous.batch.grammar.allow_all()
 
     def schedule(self) -> ScheduledBatch | None:
         """The next batch from host state alone: prefill first (decode rows riding
@@ -168,6 +219,7 @@ class Scheduler:
             counters.prefill_steps += 1
         if batch is not None:
             batch.return_logits = self.record_logits
+            batch.grammar = self._masks(batch)
         return batch
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedBatch:
@@ -211,3 +263,7 @@ class Scheduler:
     def check_accounting(self) -> None:
         """Strict accounting at idle (see ``Resources.check_idle``)."""
         self.resources.check_idle()
+
+
+def _unwritten(masks: GrammarMasks | None) -> bool:
+    return masks is not None and not masks.ready.is_set()

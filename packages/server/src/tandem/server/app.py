@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.scheduler.tokenizer import Tokenizer
-from tandem.server import gateway, openapi_schemas, parsing, prepare
+from tandem.server import gateway, openapi_schemas, parsing, prepare, structured, tool_calls
 from tandem.server.config import ServerConfig
 from tandem.server.dp_client import DataParallelClient
 from tandem.server.errors import APIError, error_body, install_handlers
@@ -41,6 +43,8 @@ from tandem.server.parsing import Job, Limits
 from tandem.server.prepare import Preparer
 from tandem.server.scheduler_client import SchedulerClient
 
+log = logging.getLogger(__name__)
+
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_SERVED_NAME = "default"  # the embedded default model's served name
 
@@ -55,6 +59,17 @@ class ServerState:
     config: ServerConfig
     lifecycle: Lifecycle
     preparer: Preparer
+    tool_format: str = "llama3"  # tool_calls.FORMATS; see tool_format_of
+
+
+def tool_format_of(
+    config: ServerConfig, tokenizer: Tokenizer | None, info: dict[str, Any]
+) -> tuple[str, str]:
+    """The tool-call format (``--tool-call-parser``, else the model's default) and why."""
+    if config.tool_call_parser is not None:
+        return config.tool_call_parser, "--tool-call-parser"
+    template = tokenizer.chat_template if tokenizer is not None else None
+    return tool_calls.default_format(template, info.get("architecture"))
 
 
 def served_name(engine_kwargs: dict[str, Any], served_model_name: str | None) -> str:
@@ -100,9 +115,12 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
             int(info["vocab_size"]), int(info["context_length"]), prepare.max_token_chars(tokenizer)
         )
         preparer = Preparer(config.tokenizer_workers)
+        tool_format, why = tool_format_of(config, tokenizer, info)
+        log.info("tool calls are parsed as %s (%s)", tool_format, why)
         holder["state"] = ServerState(
-            client, metrics, tokenizer, limits, model_name, config, lifecycle, preparer=preparer
-        )
+            client, metrics, tokenizer, limits, model_name, config, lifecycle, preparer,
+            tool_format,
+        )  # fmt: skip
         instance.state.tandem = holder["state"]
         try:
             yield
@@ -174,6 +192,8 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
             **client.info, "served_model_name": model_name, "version": gateway.version(),
             "scheduler_alive": client.alive,
         }  # fmt: skip
+        if "state" in holder:
+            info["tool_call_parser"] = holder["state"].tool_format
         return info if authenticated(request) else public_info(info)
 
     gateway.install(app, client, engine_kwargs, config.watchdog_timeout)
@@ -199,8 +219,8 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     )
     async def chat_completions(request: Request) -> Response:
         st = state()
-        body, jobs = await st.preparer.run(_prepare_chat, st, await request.body())
-        return await _respond(st, request, body, jobs, chat=True)
+        body, jobs, tools = await st.preparer.run(_prepare_chat, st, await request.body())
+        return await _respond(st, request, body, jobs, chat=True, tools=tools)
 
     @app.post(
         "/generate", openapi_extra=openapi_schemas.json_body(openapi_schemas.GENERATE_REQUEST)
@@ -281,7 +301,37 @@ def _message_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _chat_prompt(st: ServerState, body: dict[str, Any]) -> list[int]:
+def _tool_calls_of(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` for the chat template: each call's
+    ``arguments`` as an object (templates print it with ``tojson``), not JSON text."""
+    if not isinstance(value, list):
+        raise APIError(f"{where} must be a list", param=where)
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(f"{at}.function.name must be a string", param=f"{at}.function.name")
+        args = function.get("arguments")
+        if args is None or (isinstance(args, str) and not args.strip()):
+            args = {}
+        elif isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(args, dict):
+            raise APIError(
+                f"{at}.function.arguments must be a JSON object (or its JSON text)",
+                param=f"{at}.function.arguments",
+            )
+        calls.append({**call, "function": {**function, "arguments": args}})
+    return calls
+
+
+def _chat_prompt(
+    st: ServerState, body: dict[str, Any], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
@@ -292,11 +342,16 @@ def _chat_prompt(st: ServerState, body: dict[str, Any]) -> list[int]:
             raise APIError(f"{where} must be an object", param=where)
         if not isinstance(msg.get("role"), str):
             raise APIError(f"{where}.role must be a string", param=f"{where}.role")
-        clean.append({**msg, "content": _message_text(msg.get("content"), f"{where}.content")})
+        entry = dict(msg)
+        if msg.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls_of(msg["tool_calls"], f"{where}.tool_calls")
+        if msg.get("content") is not None or "tool_calls" not in entry:
+            entry["content"] = _message_text(msg.get("content"), f"{where}.content")
+        clean.append(entry)
     if st.tokenizer is None or st.tokenizer.chat_template is None:
         raise APIError("this model has no chat template", param="messages")
     try:
-        text = st.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+        text = st.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tools=tools)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
         raise APIError(f"the chat template failed: {exc}", param="messages") from None
     # The rendered template carries its own special tokens (BOS included).
@@ -313,6 +368,7 @@ def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], li
         raise APIError("echo is not supported", param="echo")
     n = parsing.choices_count(body)
     params = parsing.sampling_from_openai(body, st.limits)
+    params.update(structured.openai_grammar(body))
     top = parsing.int_in(body, "logprobs", 0, parsing.MAX_TOP_LOGPROBS)
     prompts = _completion_prompts(st, parsing.integral_ids(body.get("prompt")), n)
     jobs = parsing.expand(
@@ -322,18 +378,30 @@ def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], li
     return body, jobs
 
 
-def _prepare_chat(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
+def _prepare_chat(
+    st: ServerState, raw: bytes
+) -> tuple[dict[str, Any], list[Job], tool_calls.ToolPlan | None]:
     body = _json(raw)
     _check_model(st, body)
     n = parsing.choices_count(body)
     parsing.check_fan_out(1, n, st.config.max_choices)
     params = parsing.sampling_from_openai(body, st.limits)
+    grammar = structured.openai_grammar(body)
+    plan = tool_calls.plan(body, st.tool_format)
+    if plan is not None and grammar:
+        given = next((k for k in grammar if body.get(k) is not None), "response_format")
+        raise APIError(
+            f"{given} cannot be combined with tools unless tool_choice is none: a tool "
+            "call's output has its own grammar",
+            param=given,
+        )
+    params.update(plan.grammar if plan is not None else grammar)
     want = parsing._bool(body, "logprobs")
     top = parsing.int_in(body, "top_logprobs", 0, parsing.MAX_TOP_LOGPROBS, 0)
     if top and not want:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    ids = _chat_prompt(st, body)
-    return body, parsing.expand([ids], params, n, st.limits, want, top)
+    ids = _chat_prompt(st, body, plan.template_tools if plan is not None else None)
+    return body, parsing.expand([ids], params, n, st.limits, want, top), plan
 
 
 def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
@@ -415,14 +483,20 @@ def _usage(jobs: list[Job], completion_tokens: int) -> dict[str, int]:
 
 
 async def _respond(
-    st: ServerState, request: Request, body: dict[str, Any], jobs: list[Job], chat: bool
+    st: ServerState,
+    request: Request,
+    body: dict[str, Any],
+    jobs: list[Job],
+    chat: bool,
+    tools: tool_calls.ToolPlan | None = None,
 ) -> Response:
     stream = parsing._bool(body, "stream")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     model = st.model_name
     if not stream:
-        choices = await collect(st.client, st.metrics, jobs, request)
+        with _grammar_errors(body, tools):
+            choices = await collect(st.client, st.metrics, jobs, request)
         completion = sum(len(c.ids) for c in choices)
         return JSONResponse(
             {
@@ -430,7 +504,7 @@ async def _respond(
                 "object": "chat.completion" if chat else "text_completion",
                 "created": created,
                 "model": model,
-                "choices": [_full_choice(st, c, jobs, chat) for c in choices],
+                "choices": [_full_choice(st, c, jobs, chat, tools) for c in choices],
                 "usage": _usage(jobs, completion),
             }
         )
@@ -438,7 +512,8 @@ async def _respond(
     if options is not None and not isinstance(options, dict):
         raise APIError("stream_options must be an object", param="stream_options")
     include_usage = bool((options or {}).get("include_usage"))
-    first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs))
+    with _grammar_errors(body, tools):
+        first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs))
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def frame(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -448,6 +523,8 @@ async def _respond(
         if include_usage:
             out["usage"] = usage
         return f"data: {json.dumps(out)}\n\n"
+
+    calls = {j.index: tools.stream() for j in jobs} if tools is not None else {}
 
     async def sse() -> AsyncIterator[str]:
         completion = 0
@@ -465,7 +542,11 @@ async def _respond(
                     completion += len(event.ids)
                     if not event.text and event.finish_reason is None and not event.ids:
                         continue
-                    yield frame([_delta_choice(st, event, chat)])
+                    if event.index in calls:
+                        for choice in _tool_deltas(st, event, calls[event.index]):
+                            yield frame([choice])
+                    else:
+                        yield frame([_delta_choice(st, event, chat)])
         except Exception as exc:  # noqa: BLE001 - reported in-band, then the stream ends
             yield f"data: {json.dumps(as_api_error(exc).body())}\n\ndata: [DONE]\n\n"
             return
@@ -478,10 +559,81 @@ async def _respond(
     )
 
 
-def _full_choice(st: ServerState, c: Choice, jobs: list[Job], chat: bool) -> dict[str, Any]:
-    body = {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+_GRAMMAR_ERROR = re.compile(r"request \d+: (json_schema|regex|ebnf|structural_tag): ")
+
+
+@contextlib.contextmanager
+def _grammar_errors(
+    body: dict[str, Any], tools: tool_calls.ToolPlan | None, native: bool = False
+) -> Iterator[None]:
+    """Name the field a grammar the engine could not compile came from (the engine
+    knows only its own parameter): ``tools``, ``response_format``, or the grammar
+    field itself."""
+    try:
+        yield
+    except APIError as exc:
+        found = _GRAMMAR_ERROR.match(exc.message)
+        if found is not None and exc.status == 400 and exc.param is None:
+            kind = found.group(1)
+            exc.param = (
+                f"sampling_params.{kind}" if native
+                else "tools" if tools is not None
+                else kind if body.get(kind) is not None
+                else "response_format"
+            )  # fmt: skip
+        raise
+
+
+def _full_choice(
+    st: ServerState, c: Choice, jobs: list[Job], chat: bool, tools: tool_calls.ToolPlan | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = (
+        {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+    )
+    reason = c.finish_reason
+    if tools is not None:
+        content, calls = tools.stream().parse(c.text)
+        body["message"]["content"] = content
+        if calls:
+            body["message"]["tool_calls"] = [call.openai() for call in calls]
+            reason = "tool_calls" if reason == "stop" else reason
     want = jobs[0].return_logprob
-    return _choice(st, c.index, body, c.logprobs, c.top_logprobs, want, c.finish_reason, chat)
+    return _choice(st, c.index, body, c.logprobs, c.top_logprobs, want, reason, chat)
+
+
+def _tool_deltas(st: ServerState, e: Event, stream: tool_calls.CallStream) -> list[dict[str, Any]]:
+    """A chat event's choices with tool calls parsed out: text as ``content``, each call
+    as its name, then its arguments, in OpenAI's ``tool_calls`` delta shape. Logprobs
+    ride on the first, the finish reason on the last."""
+    pieces = stream.feed(e.text)
+    if e.finish_reason is not None:
+        pieces += stream.finish()
+    deltas: list[dict[str, Any]] = []
+    seen = stream.calls - sum(isinstance(p, tool_calls.ToolCall) for p in pieces)
+    for piece in pieces:
+        if isinstance(piece, str):
+            deltas.append({"content": piece})
+            continue
+        head = {"index": seen, "id": piece.id, "type": "function"}
+        deltas.append({"tool_calls": [{**head, "function": {"name": piece.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": seen, "function": {"arguments": piece.arguments}}]})
+        seen += 1
+    if not deltas:
+        if e.finish_reason is None and not e.logprobs:
+            return []  # text held back: it may open a call
+        deltas = [{}]
+    reason = e.finish_reason
+    if reason == "stop" and stream.calls:
+        reason = "tool_calls"
+    out = []
+    for i, delta in enumerate(deltas):
+        last = i == len(deltas) - 1
+        want = bool(e.logprobs) and i == 0
+        out.append(
+            _choice(st, e.index, {"delta": delta}, e.logprobs, e.top_logprobs, want,
+                    reason if last else None, True)
+        )  # fmt: skip
+    return out
 
 
 def _delta_choice(st: ServerState, e: Event, chat: bool) -> dict[str, Any]:
@@ -517,9 +669,11 @@ async def _native(
     want = jobs[0].return_logprob
     rid = body.get("rid")
     if not parsing._bool(body, "stream"):
-        choice = (await collect(st.client, st.metrics, jobs, request, rid))[0]
+        with _grammar_errors(body, None, native=True):
+            choice = (await collect(st.client, st.metrics, jobs, request, rid))[0]
         return JSONResponse(_native_result(choice.text, choice.ids, choice, want))
-    first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs, rid))
+    with _grammar_errors(body, None, native=True):
+        first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs, rid))
 
     async def sse() -> AsyncIterator[str]:
         acc = Choice(0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tandem.futuremap.env import read_env
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+TOOL_CALL_PARSERS = ("llama3", "qwen25")  # tool_calls.FORMATS
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class ServerConfig:
             CPU, without ``cpu_forward_threads``, each replica's forward gets cores /
             dp_size threads. A replica that dies or hangs fails the whole server (503,
             then exit non-zero).
+        tool_call_parser: How the model writes tool calls (SGLang's option): ``llama3``
+            (Llama 3's JSON, ``{"name": ..., "parameters": {...}}``) or ``qwen25``
+            (``<tool_call>`` tags around the JSON, Qwen's and Hermes's). Unset: from the
+            chat template, then the architecture (docs/guides/structured-outputs.md).
     """
 
     host: str = "127.0.0.1"
@@ -65,6 +70,7 @@ class ServerConfig:
     graceful_shutdown_timeout: float = 30.0
     watchdog_timeout: float = 300.0
     dp_size: int = 1
+    tool_call_parser: str | None = None
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -77,6 +83,11 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
 
     @property
     def host_allow_list(self) -> tuple[str, ...]:

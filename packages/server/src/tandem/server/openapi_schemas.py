@@ -53,6 +53,101 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
+_GRAMMAR_NOTE = (
+    " At most one grammar per request; one the engine cannot compile is a 400 (see "
+    "docs/guides/structured-outputs.md)."
+)
+_GRAMMAR_TEXTS = {
+    "regex": "The output matches this regular expression.",
+    "ebnf": "The output follows this EBNF grammar (from its rule root).",
+    "json_schema": "The output is JSON matching this JSON Schema (its JSON text).",
+    "structural_tag": "xgrammar's structural tag (its JSON text): free text with tagged parts.",
+}
+# SGLang's grammar fields in /generate's sampling_params: strings.
+_GRAMMARS: dict[str, Any] = {
+    k: {"type": "string", "description": text + _GRAMMAR_NOTE} for k, text in _GRAMMAR_TEXTS.items()
+}
+# The same at the top of an OpenAI body, where a JSON one may also be the object itself.
+_OPENAI_GRAMMARS: dict[str, Any] = {
+    k: _nullable(
+        {**v, "type": ["string", "object"]} if k in ("json_schema", "structural_tag") else v
+    )
+    for k, v in _GRAMMARS.items()
+}
+_OBJECT_OR_NULL: dict[str, Any] = {"type": ["object", "null"]}
+RESPONSE_FORMAT: dict[str, Any] = {
+    "description": "text (free), json_object (any JSON object), json_schema (JSON matching "
+    "json_schema.schema) or SGLang's structural_tag; not with another grammar field.",
+    "oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {
+                "type": {"const": "json_object"},
+                "schema": {"type": "null", "description": "json_object takes no schema."},
+                "json_schema": {"type": "null", "description": "json_object takes no schema."},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name", "schema"],
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "description": {"type": ["string", "null"]},
+                        "strict": {
+                            "type": ["boolean", "null"],
+                            "description": "Accepted; the schema is always enforced.",
+                        },
+                        "schema": {"type": "object", "description": "A JSON Schema."},
+                    },
+                },
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"const": "structural_tag"}},
+            "anyOf": [{"required": ["format"]}, {"required": ["structures"]}],
+        },
+    ],
+}
+
+
+def _function_tool(**function: Any) -> dict[str, Any]:
+    """``{"type": "function", "function": {"name": ..., **function}}``'s schema."""
+    return {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": function},
+        },
+    }
+
+
+TOOLS: dict[str, Any] = {
+    "type": "array",
+    "minItems": 1,
+    "description": "Function tools; names are unique.",
+    "items": _function_tool(
+        name={"type": "string", "minLength": 1},
+        description={"type": ["string", "null"]},
+        parameters={**_OBJECT_OR_NULL, "description": "A JSON Schema."},
+        strict={"type": ["boolean", "null"]},
+    ),
+}
+TOOL_CHOICE: dict[str, Any] = {
+    "description": "required and a named function need tools, and the function must be one "
+    "of them; default: auto with tools, none without.",
+    "anyOf": [{"enum": ["none", "auto", "required"]}, _function_tool(name={"type": "string"})],
+}
+
 # Sampling fields shared by /v1/completions and /v1/chat/completions (``null`` is "unset").
 _OPENAI_SAMPLING: dict[str, Any] = {
     "model": _nullable({"type": "string", "description": "The served model's name."}),
@@ -89,6 +184,8 @@ _OPENAI_SAMPLING: dict[str, Any] = {
     "ignore_eos": _NULLABLE_BOOL,
     "skip_special_tokens": _NULLABLE_BOOL,
     "user": _nullable({"type": "string", "description": "Accepted and ignored."}),
+    "response_format": _nullable(RESPONSE_FORMAT),
+    **_OPENAI_GRAMMARS,
 }
 
 COMPLETION_REQUEST: dict[str, Any] = {
@@ -138,13 +235,19 @@ CHAT_COMPLETION_REQUEST: dict[str, Any] = {
                 "properties": {
                     "role": {"type": "string"},
                     "content": {
-                        "description": "Text, or text parts; null is refused.",
+                        "description": "Text, or text parts; null is refused, except in an "
+                        "assistant message with tool_calls.",
                         "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}],
                     },
                 },
             },
         },
         **_OPENAI_SAMPLING,
+        "tools": _nullable(TOOLS),
+        "tool_choice": _nullable(TOOL_CHOICE),
+        "parallel_tool_calls": _nullable(
+            {"type": "boolean", "description": "false: at most one call (default true)."}
+        ),
         "logprobs": _NULLABLE_BOOL,
         "top_logprobs": _nullable(
             {
@@ -189,6 +292,7 @@ SAMPLING_PARAMS: dict[str, Any] = {
             }
         ),
         "n": {"type": "integer", "const": 1},
+        **{k: _nullable(v) for k, v in _GRAMMARS.items()},
     },
     "not": {
         "description": "seed and sampling_seed together",

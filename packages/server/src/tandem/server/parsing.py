@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.scheduler.sampling import SamplingParams
+from tandem.scheduler.sampling.params import GRAMMAR_KINDS
 from tandem.server.errors import APIError
 
 # Engine names -> the OpenAI names a client sent.
@@ -34,9 +35,9 @@ INT_LOW, INT_HIGH = -(9 * 10**18), 9 * 10**18
 NATIVE_SAMPLING_KEYS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "seed", "sampling_seed", "n",
+    "skip_special_tokens", "seed", "sampling_seed", "n", *GRAMMAR_KINDS,
 )  # fmt: skip
-_NATIVE_NULLABLE = frozenset({"stop", "stop_token_ids", "seed", "sampling_seed"})
+_NATIVE_NULLABLE = frozenset({"stop", "stop_token_ids", "seed", "sampling_seed", *GRAMMAR_KINDS})
 _REAL_FIELDS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
     "presence_penalty",

@@ -15,6 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""The sampling parameters that constrain the output, SGLang's names."""
+
 # SGLang spells the seed ``sampling_seed``; ``seed`` is the canonical name here (the
 # OpenAI API's), and the alias is folded into it by ``from_dict``.
 _ALIASES = {"sampling_seed": "seed"}
@@ -47,6 +50,13 @@ class SamplingParams:
         n: number of choices; the scheduler expands a request into ``n`` sequences.
         return_logprob: return the chosen tokens' log-probabilities.
         top_logprobs_num: also return this many most likely alternatives per token.
+        json_schema: constrain the output to JSON matching this schema (a JSON string,
+            SGLang's parameter; ``{"type": "object"}`` for any JSON object).
+        regex: constrain the output to match this regular expression.
+        ebnf: constrain the output to this EBNF grammar (its rule ``root`` first).
+        structural_tag: constrain the output to xgrammar's structural tag (a JSON
+            string): free text with tagged, schema-constrained parts (tool calls).
+            At most one of the four grammar fields may be set (``grammar``).
     """
 
     max_new_tokens: int = 128
@@ -65,6 +75,10 @@ class SamplingParams:
     n: int = 1
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -92,6 +106,16 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """A plain dict (for msgpack between processes); ``from_dict`` inverts it."""
         return dataclasses.asdict(self)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The output constraint as ``(kind, text)`` (kind: one of ``GRAMMAR_KINDS``),
+        or None when the output is free."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -159,6 +183,12 @@ class SamplingParams:
                 f"got {self.top_logprobs_num}"
             )
         _check_fits(self.max_new_tokens, context_len, prompt_len)
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            if not isinstance(getattr(self, kind), str):
+                raise ValueError(f"{kind}: must be a string, got {getattr(self, kind)!r}")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one of {', '.join(given)} may be given")
 
 
 def _is_int(value: object) -> TypeGuard[int]:
