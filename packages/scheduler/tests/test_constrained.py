@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from engine_checks import idle_clean
 
 from tandem.scheduler import Engine
 
@@ -41,15 +42,6 @@ def _valid(value: Any) -> bool:
         and len(value["tags"]) <= 3
         and all(isinstance(t, bool) for t in value["tags"])
     )
-
-
-def _idle_clean(engine: Engine) -> None:
-    """Every row and page back once the overshoot batch behind the results lands."""
-    deadline = time.monotonic() + 30
-    while engine.scheduler.has_work():
-        assert time.monotonic() < deadline, "the scheduler never went idle"
-        time.sleep(0.005)
-    engine.scheduler.check_accounting()
 
 
 def _engine(**options: Any) -> Engine:
@@ -84,7 +76,7 @@ def test_every_constrained_output_is_valid(normal_loop: bool) -> None:
         params = [_params(*case) for case in cases] + [{"max_new_tokens": 12, "temperature": 1.0}]
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
         outs = engine.generate(prompts, params)
-        _idle_clean(engine)
+        idle_clean(engine)
     for case, out in zip(cases, outs, strict=False):
         _check(case[0], out)
     assert len(outs[-1]["output_ids"]) == 12
@@ -108,7 +100,7 @@ def test_constrained_requests_survive_retraction() -> None:
     with _engine(max_total_tokens=260, page_size=4) as engine:
         outs = engine.generate([PROMPTS[i % 4] for i in range(6)], params)
         assert engine.scheduler.counters.retracted_requests > 0
-        _idle_clean(engine)
+        idle_clean(engine)
     for out in outs:
         _check("json_schema", out)
 
@@ -130,3 +122,33 @@ def test_bad_grammars_are_refused_before_anything_is_queued(
             engine.generate(PROMPTS[:2], [{"max_new_tokens": 4}, params])
         assert not engine.scheduler.has_work()
         assert engine.generate(PROMPTS[0], {"max_new_tokens": 3})["output_ids"]
+
+
+def test_a_forward_waiting_for_masks_counts_the_wait_as_idle() -> None:
+    import torch
+
+    from tandem.scheduler.timeline import Timeline
+
+    timeline = Timeline(torch.device("cpu"))
+    handle = timeline.begin(new_period=True)
+    time.sleep(0.02)
+    timeline.stall(0.015)  # the forward thread waited this long for the host's masks
+    timeline.end(handle)
+    assert timeline.idle_s == pytest.approx(0.015)
+    assert 0.0 < timeline.busy_s < 0.02
+
+
+@pytest.mark.parametrize("normal_loop", [False, True])
+def test_tensor_parallel_ranks_share_the_masks(normal_loop: bool) -> None:
+    """Rank 0 writes the masks; the other rank waits for them at sampling too (sent
+    after the launch on the overlap loop, with it on the normal loop)."""
+    params = [_params("json_schema", 0.0, None), _params("regex", 0.8, 5)]
+    params.append({"max_new_tokens": 10, "temperature": 0.0})
+    outs = []
+    for tp_size in (1, 2):
+        with _engine(tp_size=tp_size, disable_overlap_schedule=normal_loop) as engine:
+            outs.append(engine.generate(PROMPTS[:3], params))
+            idle_clean(engine)
+    _check("json_schema", outs[1][0])
+    _check("regex", outs[1][1])
+    assert [r["output_ids"] for r in outs[0]] == [r["output_ids"] for r in outs[1]]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_checks import idle_clean
 from reference_models import FAMILIES, load_reference, make_llama
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -39,10 +40,7 @@ def _outputs(path: Path, params: Any = GREEDY, **options: Any) -> list[list[int]
         # Again: the prompts' prefixes now come from the radix cache.
         again = engine.generate(input_ids=PROMPTS, sampling_params=params)
         assert all(r["meta_info"]["cached_tokens"] > 0 for r in again[::2])
-        deadline = time.monotonic() + 30  # the overshoot batch behind the results lands
-        while engine.scheduler.has_work() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        engine.scheduler.check_accounting()
+        idle_clean(engine)
     # Greedy and seeded requests repeat themselves; the others draw on.
     each = params if isinstance(params, list) else [params] * len(PROMPTS)
     for p, a, b in zip(each, first, again, strict=True):

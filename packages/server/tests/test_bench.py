@@ -274,3 +274,27 @@ def test_asv_host_cost_benchmark_runs_as_asv_calls_it() -> None:
         with pytest.raises(NotImplementedError):
             skipped.setup("cuda", 1, True)
         skipped.teardown("cuda", 1, True)
+
+
+def test_constrained_fraction_masks_every_other_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tandem.scheduler
+
+    sent: list[dict[str, Any]] = []
+
+    class Recording(tandem.scheduler.Engine):
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            sent.extend(kwargs["sampling_params"])
+            return super().generate(*args, **kwargs)
+
+    monkeypatch.setattr(tandem.scheduler, "Engine", Recording)
+    extra = ["--num-prompts", "4", "--random-input-len", "6", "--random-output-len", "5"]
+    extra += ["--random-range-ratio", "1", "--repeats", "1", "--constrained-fraction", "0.5"]
+    report = _run(tmp_path, *extra)
+    measured = sent[-4:]  # after the warm-up
+    assert [("regex" in p) for p in measured] == [False, True, False, True]
+    # The regex is long enough that every request runs its full length.
+    assert report["overlap"]["total_output_tokens"] == 4 * 5
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cpu", *SMALL, "--constrained-fraction", "2"])

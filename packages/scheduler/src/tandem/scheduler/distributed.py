@@ -120,9 +120,9 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-LAUNCH, DISCARD, STOP = "launch", "discard", "stop"
-"""The kinds of rank 0's messages: a launched step, rows whose futures are discarded,
-the end."""
+LAUNCH, MASKS, DISCARD, STOP = "launch", "masks", "discard", "stop"
+"""The kinds of rank 0's messages: a launched step, the grammar masks of a launched
+step (written after its launch), rows whose futures are discarded, the end."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,9 @@ class StepRelay:
     ) -> None:
         steps = dataclasses.replace(batch, reqs=[], finishing=[])
         self.group.send((LAUNCH, steps, sampling, new_period))
+
+    def masks(self, step: int, bitmask: torch.Tensor) -> None:
+        self.group.send((MASKS, step, bitmask))
 
     def discard(self, rows: list[int]) -> None:
         self.group.send((DISCARD, list(rows)))

@@ -5,7 +5,9 @@ tandem.scheduler.follower RANK PARENT_PID`` with the engine's config on stdin. I
 the same parts as rank 0 from the same config (its shard of the model, pools of the same
 size, its own FutureMap) but never schedules: it receives each launched step
 (``distributed.StepRelay``), launches it on its own ``ModelRunner`` and keeps at most two
-steps in flight, as rank 0's overlap loop does. Every rank thus runs the same steps in
+steps in flight, as rank 0's overlap loop does. A step with grammar
+masks that rank 0 writes after launching it waits for them at sampling, here as there:
+they follow its launch as a message of their own. Every rank thus runs the same steps in
 the same order, resolves and stashes the same tokens at the same rows, and samples the
 same ids from the same gathered logits with the same seeded generators.
 """
@@ -23,8 +25,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from tandem.scheduler.config import EngineConfig
-from tandem.scheduler.distributed import DISCARD, LAUNCH, STOP, RankGroup, join
-from tandem.scheduler.messages import LaunchedBatch
+from tandem.scheduler.distributed import DISCARD, LAUNCH, MASKS, STOP, RankGroup, join
+from tandem.scheduler.messages import GrammarMasks, LaunchedBatch
 from tandem.scheduler.model_runner import ModelRunner
 from tandem.scheduler.wiring import wire
 
@@ -36,14 +38,21 @@ _IN_FLIGHT = 2
 def follow(runner: ModelRunner, group: RankGroup) -> None:
     """Run rank 0's steps until it says stop."""
     in_flight: deque[LaunchedBatch] = deque()
+    unwritten: dict[int, GrammarMasks] = {}  # launched steps' masks, by step
     while True:
         message = group.receive()
         kind = message[0]
         if kind == LAUNCH:
             _, batch, sampling, new_period = message
+            if batch.grammar is not None and not batch.grammar.ready.is_set():
+                unwritten[batch.step] = batch.grammar
             in_flight.append(runner.launch(batch, sampling, new_period))
             if len(in_flight) > _IN_FLIGHT:
                 in_flight.popleft().wait()
+        elif kind == MASKS:
+            masks = unwritten.pop(message[1])
+            masks.bitmask.copy_(message[2])
+            masks.ready.set()
         elif kind == DISCARD:
             runner.discard_rows(message[1])
         elif kind == STOP:

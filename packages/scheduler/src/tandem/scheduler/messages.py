@@ -47,6 +47,17 @@ class GrammarMasks:
         self.bitmask.fill_(-1)
         self.ready.set()
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Sent to the other tensor-parallel ranks with its batch: the event as a flag.
+        return _masks, (self.rows, self.bitmask, self.ready.is_set())
+
+
+def _masks(rows: list[int], bitmask: torch.Tensor, ready: bool) -> GrammarMasks:
+    masks = GrammarMasks(rows, bitmask)
+    if ready:
+        masks.ready.set()
+    return masks
+
 
 @dataclass(slots=True)
 class ScheduledBatch:

@@ -11,6 +11,7 @@ differ: how copy-done is produced, and how a decode step is replayed.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -213,7 +214,10 @@ class ModelRunner:
             masks = batch.grammar
             from tandem.scheduler.grammar import apply_bitmask  # xgrammar: on first use
 
-            masks.ready.wait()  # the host writes them while the forward runs
+            if not masks.ready.is_set():  # the host writes them while the forward runs
+                waited = time.perf_counter()
+                masks.ready.wait()
+                self.timeline.stall(time.perf_counter() - waited)
             apply_bitmask(logits, masks.bitmask.to(logits.device), masks.rows)
         info = None if sampling.plain_greedy else sampling.build(self.device)
         if info is None:

@@ -187,6 +187,9 @@ class Scheduler:
             else:
                 req.grammar.fill(masks.bitmask, j)
         masks.ready.set()
+        relay = self.runner.relay
+        if relay is not None and batch.step:  # launched already: the other ranks wait too
+            relay.masks(batch.step, masks.bitmask)
 
     def _masks(self, batch: ScheduledBatch) -> GrammarMasks | None:
         """Unwritten masks for ``batch``'s constrained sampling rows, or None."""

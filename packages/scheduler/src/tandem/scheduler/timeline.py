@@ -32,6 +32,7 @@ class Timeline:
     busy_s: float = 0.0
     idle_s: float = 0.0
     _last_end: Any = field(default=None, init=False, repr=False)
+    _stalled: float = field(default=0.0, init=False, repr=False)
     _pending: list[_Marks] = field(default_factory=list, init=False, repr=False)
 
     # -- called on the forward stream -----------------------------------------------
@@ -51,11 +52,18 @@ class Timeline:
         start, new_period = handle
         if self.device.type == "cpu":
             self._last_end = time.perf_counter()
-            self.busy_s += self._last_end - start
+            self.busy_s += self._last_end - start - self._stalled
+            self.idle_s += self._stalled
+            self._stalled = 0.0
             return
         event = torch.get_device_module(self.device).Event(enable_timing=True)
         event.record()
         self._pending.append(_Marks(start, event, new_period))
+
+    def stall(self, seconds: float) -> None:
+        """On the CPU's forward stream: the running forward waited ``seconds`` for the
+        host (a batch's grammar masks), which counts as idle, not busy."""
+        self._stalled += seconds
 
     # -- called on the host, after the batch's copy-done ------------------------------
     def collect(self) -> None:

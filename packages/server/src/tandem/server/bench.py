@@ -31,6 +31,8 @@ WORKLOADS = ("random", "shared-prefix", "sharegpt", "text")
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
+    constrained: frozenset[int] = frozenset()
+    """Requests whose output a grammar constrains (``--constrained-fraction``)."""
 
     @property
     def total_input_tokens(self) -> int:
@@ -102,6 +104,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help="read each request as a stream in this process and time the chunks' "
         "arrivals (default: one batch call, with the engine's per-token times)",
+    )
+    parser.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of the requests whose output a regex constrains, spread evenly: "
+        "the grammar masks' cost, and the device idle time they add (default: 0)",
     )
     parser.add_argument("--output-json", help="write the figures to this file")
     add_speculative_arguments(parser)
@@ -244,7 +253,21 @@ def _progress(total: int, desc: str) -> Any:
 
 
 def _sampling(workload: Workload, i: int) -> dict[str, Any]:
-    return {"max_new_tokens": workload.output_lens[i], "temperature": 0, "ignore_eos": True}
+    params: dict[str, Any] = {
+        "max_new_tokens": workload.output_lens[i],
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if i in workload.constrained:
+        # Lowercase letters and spaces, too many to end before max_new_tokens (no token
+        # spells 16 characters): the request runs its full length, masked at every step.
+        params["regex"] = f"[a-z ]{{{16 * workload.output_lens[i]}}}"
+    return params
+
+
+def constrained_indices(n: int, fraction: float) -> frozenset[int]:
+    """``fraction`` of ``n`` requests, spread evenly (0.5: every other one)."""
+    return frozenset(i for i in range(n) if int((i + 1) * fraction) > int(i * fraction))
 
 
 def run_engine(engine: Any, workload: Workload, desc: str, stream: bool = False) -> dict[str, Any]:
@@ -520,6 +543,8 @@ def run(
         parser.error("argument --repeats: must be at least 1")
     if not 0.0 <= args.random_range_ratio <= 1.0:
         parser.error("argument --random-range-ratio: must be in [0, 1]")
+    if not 0.0 <= args.constrained_fraction <= 1.0:
+        parser.error("argument --constrained-fraction: must be in [0, 1]")
     if args.workload in ("sharegpt", "text") and not args.dataset_path:
         parser.error(f"argument --dataset-path: required by --workload {args.workload}")
     spec = {name: getattr(args, name) for name, _, _ in SPECULATIVE_OPTIONS}
@@ -564,6 +589,7 @@ def run(
             )
         except ValueError as exc:
             parser.error(str(exc))
+        workload.constrained = constrained_indices(len(workload.prompts), args.constrained_fraction)
         warm = Workload(workload.prompts[:2], [min(4, k) for k in workload.output_lens[:2]])
         for engine in engines.values():
             run_engine(engine, warm, "warm-up", args.stream)
