@@ -82,8 +82,11 @@ class Engine:
         """Why constrained output cannot be served, or ``""`` when it can."""
         if not (self._tokenizer_dir / "tokenizer.json").exists():
             return "constrained output needs the model's tokenizer (tokenizer.json)"
-        if self.config.speculative:
-            return "constrained output is not supported with speculative decoding yet"
+        if self.config.speculative and self.config.tp_size > 1:
+            return (
+                "constrained output is not supported with speculative decoding and "
+                "tp_size > 1 together yet"
+            )
         return ""
 
     @functools.cached_property

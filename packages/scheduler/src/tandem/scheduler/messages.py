@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ class GrammarMasks:
     rows: list[int]  # indices into the batch's sampling rows
     bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)], bit set = allowed
     ready: threading.Event = field(default_factory=threading.Event)
+    # A speculative step's masks depend on the tree it drafts: the host hands over the
+    # rows' matchers instead (None for a row that ended) and the worker writes them.
+    matchers: list[Any] | None = None
 
     def allow_all(self) -> None:
         """Give up on the masks (the loop died before writing them): nothing waits."""

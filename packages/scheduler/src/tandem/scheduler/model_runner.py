@@ -288,6 +288,7 @@ class ModelRunner:
                 bounds=list(batch.spec_bounds),
                 sampling=sampling.build(self.device),
                 steps=list(batch.spec_steps),
+                grammar=batch.grammar,
             )
         )
         return StepResult(next_token_ids=out.tokens, accept_lens=out.accept_lens)

@@ -180,6 +180,11 @@ class Scheduler:
         masks = batch.grammar
         assert masks is not None
         reqs = batch.sampling_reqs
+        if batch.mode is ForwardMode.SPEC_DECODE:
+            masks.matchers = [None if reqs[k].finished else reqs[k].grammar for k in masks.rows]
+            masks.rows = [batch.sample_indices[k] for k in masks.rows]  # the worker's rows
+            masks.ready.set()  # the worker walks its tree with them, then undoes it
+            return
         for j, k in enumerate(masks.rows):
             req = reqs[k]
             if req.finished:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tandem.scheduler.config import EngineConfig
     from tandem.scheduler.forward_batch import ForwardBatch
     from tandem.scheduler.memory import PagedKVPool, ReqToTokenPool
+    from tandem.scheduler.messages import GrammarMasks
     from tandem.scheduler.models import CausalLM, ModelConfig
     from tandem.scheduler.sampling import Sampler
 
@@ -79,12 +80,16 @@ class SpecDecodeInput:
             (host truth plus ``max_accept`` per step still in flight).
         sampling: the rows' sampling configuration.
         steps: per row, how many speculative steps it ran before (keys seeded draws).
+        grammar: the constrained rows' matchers, handed over by the host once it has
+            processed every step before (``ready``); the worker masks each tree node's
+            target logits by what the grammar allows after the node's path.
     """
 
     rows: torch.Tensor
     bounds: list[int]
     sampling: SamplingBatchInfo
     steps: list[int]
+    grammar: GrammarMasks | None = None
 
 
 @dataclass

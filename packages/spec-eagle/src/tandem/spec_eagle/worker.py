@@ -21,6 +21,7 @@ from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.memory import KVLayout
+from tandem.scheduler.messages import GrammarMasks
 from tandem.scheduler.sampling import SamplingBatchInfo, SamplingParams
 from tandem.scheduler.sampling.sampler import filtered_probs
 from tandem.scheduler.speculative import (
@@ -122,6 +123,8 @@ class EagleWorker:
         table = table[:, : span + self.lookahead].long()
         tree = self._draft_tree(rows, table, seq_lens, span, root, relay)
         logits, features = self._verify(table, seq_lens, span, tree)
+        if data.grammar is not None:
+            _mask_tree(tree, logits, data.grammar)
         accepted = self._accept(tree, logits, data)
         new_lens = seq_lens + accepted.num_accepted + 1
         fm.publish(rows, new_lens)
@@ -357,6 +360,41 @@ def _per_node(info: SamplingBatchInfo, n: int) -> SamplingBatchInfo:
         seeds=tuple(s for s in info.seeds for _ in range(n)),
         steps=tuple(s for s in info.steps for _ in range(n)),
     )
+
+
+def _mask_tree(tree: DraftTree, logits: torch.Tensor, masks: GrammarMasks) -> None:
+    """Mask each constrained row's node logits ``[B, N, V]`` (in place) by what its
+    grammar allows after the node's path from the root: accept the path's draft tokens,
+    write the mask, roll back. A node whose path the grammar refuses is left unmasked:
+    verification stops before it anyway, at the parent whose masked logits cannot pick
+    the refused token. The matchers come back as they were handed over."""
+    from tandem.scheduler.grammar import apply_bitmask  # xgrammar: on first use
+
+    masks.ready.wait()  # the host has processed every step before this one
+    assert masks.matchers is not None
+    b, n, v = logits.shape
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    bitmask = torch.full((len(masks.rows) * n, masks.bitmask.shape[1]), -1, dtype=torch.int32)
+    flat: list[int] = []
+    for row, matcher in zip(masks.rows, masks.matchers, strict=True):
+        if matcher is None:
+            continue  # ended meanwhile: its tokens are discarded
+        for node in range(n):
+            path = []
+            at = node
+            while at != 0:
+                path.append(tokens[row][at])
+                at = parents[row][at]
+            taken = 0
+            for token in reversed(path):
+                if not matcher.accept(token):
+                    break
+                taken += 1
+            if taken == len(path):
+                matcher.fill(bitmask, len(flat))
+            matcher.rollback(taken)
+            flat.append(row * n + node)
+    apply_bitmask(logits.view(b * n, v), bitmask[: len(flat)].to(logits.device), flat)
 
 
 def _seeded_uniform(seed: int, step: int, trial: int) -> float:
