@@ -271,3 +271,35 @@ def test_a_rank_that_hangs_fails_the_engine_after_dist_timeout(
     finally:
         os.kill(follower.pid, signal.SIGKILL)
         engine.shutdown()
+
+
+def test_tp2_retraction_and_abort(checkpoints: dict[str, Path]) -> None:
+    """A pool too small for every request (retraction), then a stream aborted midway:
+    the same tokens as one rank, and every row and page back on rank 0's books."""
+    path = checkpoints["llama"]
+    prompts = [[5 + i, 17, 42, 99, 3, 250, 11, 64] for i in range(6)]
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    small = {**BASE, "max_total_tokens": 120, "page_size": 4}
+    outs = []
+    for tp_size in (1, 2):
+        with Engine(model_path=str(path), **{**small, "tp_size": tp_size}) as engine:
+            outs.append(
+                [
+                    r["output_ids"]
+                    for r in engine.generate(input_ids=prompts, sampling_params=params)
+                ]
+            )
+            assert engine.scheduler.counters.retracted_requests > 0
+            stream = engine.generate(
+                input_ids=prompts[0], sampling_params=params, stream=True, rid="cut"
+            )
+            next(iter(stream))
+            engine.abort("cut")
+            chunks = list(stream)
+            assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert (
+                engine.generate(input_ids=prompts[1], sampling_params=params)["output_ids"]
+                == outs[-1][1]
+            )
+            idle_clean(engine)
+    assert outs[0] == outs[1]
