@@ -117,10 +117,12 @@ class Release:
             return True
         if req.in_flight > 0:
             return False
-        self.stages.retiring.remove(req)
         if self.spec is not None:
             self.spec.truth(req)
         self.resources.free(req)
+        # Out of ``retiring`` only once freed: ``has_work`` stays true until the row and
+        # pages are back, for a reader on another thread too.
+        self.stages.retiring.remove(req)
         if req.finished:
             self.counters.finished_requests += 1
         elif req.retracting:
