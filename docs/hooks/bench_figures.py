@@ -644,6 +644,19 @@ class _Checker:
     def fail(self, message: str) -> PluginError:
         return _fail(self.path, self.root, message)
 
+    def producer(
+        self, data: dict[str, Any], marker: str, files: str, tool: str, keys: set[str]
+    ) -> None:
+        """A file of ``tool``'s: its ``benchmark`` marker, and no top-level key but ``keys``."""
+        if data.get("benchmark") != marker:
+            raise self.fail(
+                f"{files} files come from {tool} and carry "
+                f"'benchmark': {marker!r}, got {data.get('benchmark')!r}"
+            )
+        unknown = sorted(set(data) - keys)
+        if unknown:
+            raise self.fail(f"unexpected top-level key(s) {', '.join(map(repr, unknown))}")
+
     def section(self, obj: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
         value = obj.get(key)
         if not isinstance(value, dict):
@@ -693,14 +706,7 @@ def _load_gpu(path: Path, root: Path, data: dict[str, Any]) -> Result:
     """Check a ``tools/bench_gpu.py`` file: every figure the page shows must be there and
     sane, and every recorded ratio must match its parts."""
     check = _Checker(path, root)
-    if data.get("benchmark") != GPU_BENCHMARK:
-        raise check.fail(
-            f"bench-gpu-*.json files come from tools/bench_gpu.py and carry "
-            f"'benchmark': {GPU_BENCHMARK!r}, got {data.get('benchmark')!r}"
-        )
-    unknown = sorted(set(data) - GPU_TOP_LEVEL)
-    if unknown:
-        raise check.fail(f"unexpected top-level key(s) {', '.join(map(repr, unknown))}")
+    check.producer(data, GPU_BENCHMARK, "bench-gpu-*.json", "tools/bench_gpu.py", GPU_TOP_LEVEL)
     model = check.text(data, "model", "")
     for name in GPU_SECTIONS:
         check.section(data, name)
@@ -1067,14 +1073,7 @@ def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
     """Check a ``tools/bench_vllm_cpu.py`` file: every figure the page shows is there and
     sane, no request failed, and each recorded ratio matches its parts."""
     check = _Checker(path, root)
-    if data.get("benchmark") != VS_VLLM:
-        raise check.fail(
-            f"vs-vllm-*.json files come from tools/bench_vllm_cpu.py and carry "
-            f"'benchmark': {VS_VLLM!r}, got {data.get('benchmark')!r}"
-        )
-    unknown = sorted(set(data) - VS_VLLM_TOP_LEVEL)
-    if unknown:
-        raise check.fail(f"unexpected top-level key(s) {', '.join(map(repr, unknown))}")
+    check.producer(data, VS_VLLM, "vs-vllm-*.json", "tools/bench_vllm_cpu.py", VS_VLLM_TOP_LEVEL)
     if data.get("schema_version") != 1:
         raise check.fail(f"'schema_version' is {data.get('schema_version')!r}, expected 1")
     command = check.text(data, "command", "")

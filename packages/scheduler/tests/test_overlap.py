@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_checks import idle_clean
 from reference_models import FAMILIES, VOCAB, load_reference
 from test_engine import _assert_greedy_matches
 
@@ -40,16 +41,10 @@ def _engine(path: Path, overlap: bool, **options: Any) -> Engine:
 
 
 def _idle_clean(engine: Engine) -> dict[str, Any]:
-    # A result reaches the caller before the overshoot batch behind it is processed:
-    # wait for the scheduler to go idle before checking that everything came back.
-    deadline = time.monotonic() + 30
-    while engine.scheduler.has_work():
-        assert time.monotonic() < deadline, "the scheduler never went idle"
-        time.sleep(0.005)
+    idle_clean(engine)
     info = engine.get_server_info()
     assert info["free_rows"] == info["max_running_requests"]
     assert info["available_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"]
-    engine.scheduler.check_accounting()
     return info
 
 

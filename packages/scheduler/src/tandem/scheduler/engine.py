@@ -66,6 +66,7 @@ class Engine:
         self._tokenizer_dir = Path(self.config.tokenizer_path or self.model_path)
         self._closed = False
         self._loop = EngineLoop(self.scheduler, speculative=self.config.speculative)
+        no_grammar = self._no_grammar()
         self._intake = Intake(
             tokenizer=self.tokenizer,
             vocab_size=self.model_config.vocab_size,
@@ -74,8 +75,8 @@ class Engine:
             lookahead=self.config.speculative_lookahead,
             spec=parts.spec,
             in_use=self._loop.waiters.__contains__,
-            grammars=None if self._no_grammar() else lambda: self._grammar_backend,
-            no_grammar=self._no_grammar(),
+            grammars=None if no_grammar else lambda: self._grammar_backend,
+            no_grammar=no_grammar,
         )
 
     def _no_grammar(self) -> str:

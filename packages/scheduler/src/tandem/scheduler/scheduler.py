@@ -78,6 +78,7 @@ class Scheduler:
         self._previous: LaunchedBatch | None = None  # the overlap loop's batch in flight
         self._pending: list[Update] = []  # aborts reported by the next iterate
         self._new_period = True  # idle before the next launch (for the timeline)
+        self._constrained: set[Request] = set()  # requests with a grammar, until finished
         # Diagnostic hook (tests, tools): keep each sampled row's logits by request id.
         self.record_logits = False
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
@@ -86,6 +87,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.max_samples = min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids))
         self.stages.waiting.append(req)
+        if req.grammar is not None:
+            self._constrained.add(req)
 
     def abort(self, rid: str) -> bool:
         """End request ``rid`` wherever it is; its resources come back once no
@@ -197,7 +200,11 @@ class Scheduler:
             relay.masks(batch.step, masks.bitmask)
 
     def _masks(self, batch: ScheduledBatch) -> GrammarMasks | None:
-        """Unwritten masks for ``batch``'s constrained sampling rows, or None."""
+        """Unwritten masks for ``batch``'s constrained sampling rows, or None. Without a
+        constrained request in the engine (``_constrained``) the batch is not scanned."""
+        if not self._constrained:
+            return None
+        self._constrained = {req for req in self._constrained if not req.finished}
         rows = [k for k, req in enumerate(batch.sampling_reqs) if req.grammar is not None]
         if not rows:
             return None

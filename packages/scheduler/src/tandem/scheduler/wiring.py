@@ -30,7 +30,7 @@ from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.distributed import RankGroup, StepRelay, rank_device
+from tandem.scheduler.distributed import RankGroup, StepRelay, per_node, rank_device
 from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.model_runner import ModelRunner
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model, resolve_dtype
@@ -97,7 +97,7 @@ def wire(cfg: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
     forward_threads = None
     if device.type == "cpu":
         # The ranks of one machine share its cores.
-        cores = max(1, torch.get_num_threads() // (cfg.tp_size // cfg.nnodes))
+        cores = max(1, torch.get_num_threads() // per_node(cfg))
         forward_threads = cfg.cpu_forward_threads or default_forward_threads(local, cores)
     tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or model_path))
     eos_ids = _eos_ids(model_path, mc, tokenizer)

@@ -231,7 +231,10 @@ def _copy_shard(
         param.copy_(stored[:])
         return
     if rule == "first":
-        param.copy_(stored[:]) if tp.rank == 0 else param.zero_()
+        if tp.rank == 0:
+            param.copy_(stored[:])
+        else:
+            param.zero_()
         return
     assert not isinstance(rule, str)
     dim, indices = rule
