@@ -31,6 +31,8 @@ TORCH_CPU = "torch==2.13.0"
 PACKAGES = ("core-futuremap", "scheduler", "spec-eagle", "server")
 PACKAGE_DIRS = tuple(f"packages/{name}" for name in PACKAGES)
 SMG = "smg>=1.13"
+# The Mooncake transfer engine without CUDA (needs Debian's libibverbs1 at run time).
+MOONCAKE = "mooncake-transfer-engine-non-cuda>=0.3.13"
 # transformers is the reference implementation the engine is checked against; the
 # official openai client (over httpx) is the reference client of the server.
 TEST_DEPS = (
@@ -48,6 +50,8 @@ TEST_DEPS = (
     "matplotlib>=3.8",
     # The SGLang Model Gateway, in front of two workers (packages/server/tests/test_gateway.py).
     SMG,
+    # The KV transport of prefill/decode disaggregation's mooncake backend.
+    MOONCAKE,
 )
 DEBUG_ENV = {"TANDEM_DEBUG_FUTURES": "1"}
 # What `nox -s serve` runs, and so what `nox -s smoke` checks.
@@ -283,6 +287,21 @@ def gateway(session: nox.Session) -> None:
     """
     _install_cpu_stack(session, SMG)
     session.run("python", "tools/gateway_bench.py", *session.posargs)
+
+
+@nox.session
+def pd(session: nox.Session) -> None:
+    """A prefill and a decode CPU `tandem serve` behind smg --pd-disaggregation, against one plain.
+
+    Installs what ``serve`` installs, ``smg`` and the Mooncake transfer engine, then runs
+    ``tools/pd_bench.py``: the two servers and ``smg launch --pd-disaggregation`` on free
+    loopback ports, ``tandem bench serve`` through the gateway, then the same workload
+    against one plain server, TTFT, TPOT and throughput side by side, every process
+    stopped at the end. Arguments after -- go to the script (``-- --transfer-backend
+    torch -- --num-prompts 128``).
+    """
+    _install_cpu_stack(session, SMG, MOONCAKE)
+    session.run("python", "tools/pd_bench.py", *session.posargs)
 
 
 @nox.session

@@ -75,9 +75,14 @@ OPTIONAL: dict[str, str | None] = {
     "triton": None,
     "flashinfer": "cuda",  # tandem-scheduler[cuda]
     "transformers": "transformers",  # tandem-server[transformers]
+    "mooncake": "mooncake",  # tandem-scheduler[mooncake]
 }
 # Import names whose distribution is named otherwise, for packages not installed here.
-DISTRIBUTION_OF = {"zmq": "pyzmq", "flashinfer": "flashinfer-python"}
+DISTRIBUTION_OF = {
+    "zmq": "pyzmq",
+    "flashinfer": "flashinfer-python",
+    "mooncake": "mooncake-transfer-engine-non-cuda",
+}
 
 # A problem in a command's output: a traceback, a Python warning or a log line at
 # WARNING level or above.

@@ -120,3 +120,10 @@ def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
         triton_interpret=env.get("TRITON_INTERPRET") == "1",
         api_key=env.get("TANDEM_API_KEY") or None,
     )
+
+
+def default_library_switch(name: str, value: str) -> None:
+    """Set a third-party library's environment switch ``name`` to ``value`` unless the
+    user set it, before that library reads it (a library that reads its switches only
+    from the environment, at import)."""
+    os.environ.setdefault(name, value)

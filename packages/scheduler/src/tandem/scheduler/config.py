@@ -21,6 +21,8 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 COMPILE_CHECKS: tuple[str, ...] = typing.get_args(CompileChecks)
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "torch")
 
 
 def _from_env(pick: Callable[[TandemEnv], Any]) -> Any:
@@ -111,6 +113,20 @@ class EngineConfig:
             a free loopback port (one machine only).
         dist_timeout: seconds a rank waits to reach ``dist_init_addr`` and, once
             running, for another rank in a collective, before failing with an error.
+        disaggregation_mode: ``null`` (prefill and decode here), ``prefill`` (prefill
+            only: sample the first token, send the KV and that token to the decode
+            server the request's bootstrap fields name) or ``decode`` (take prebuilt
+            requests from a prefill server). SGLang's option.
+        disaggregation_bootstrap_port: the port a prefill server's bootstrap server
+            listens on, where decode servers ask for a request's KV.
+        disaggregation_transfer_backend: what moves the KV: ``mooncake`` (the Mooncake
+            transfer engine's TCP transport) or ``torch`` (torch.distributed
+            point-to-point: gloo on the CPU, NCCL on GPUs).
+        disaggregation_host: the address this server's bootstrap server and transfer
+            engine listen on and give to their peers.
+        disaggregation_timeout: seconds either side waits for its peer (a decode
+            server for room and for the KV, a prefill server for the decode server's
+            pages and for a transfer) before the request fails with an error.
     """
 
     model_path: str | None = None
@@ -151,6 +167,11 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     dist_timeout: int = 120
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_host: str = "127.0.0.1"
+    disaggregation_timeout: float = 30.0
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> EngineConfig:
@@ -196,6 +217,38 @@ class EngineConfig:
         self._validate_debug()
         self._validate_speculative()
         self._validate_parallel()
+        self._validate_disaggregation()
+
+    def _validate_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"disaggregation_mode={self.disaggregation_mode!r} is not one of "
+                f"{', '.join(DISAGGREGATION_MODES)}"
+            )
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(
+                f"disaggregation_transfer_backend={self.disaggregation_transfer_backend!r} "
+                f"is not one of {', '.join(TRANSFER_BACKENDS)}"
+            )
+        port = self.disaggregation_bootstrap_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port must be in [0, 65535], got {port!r}")
+        timeout = self.disaggregation_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"disaggregation_timeout must be a number > 0, got {timeout!r}")
+        if self.disaggregation_mode == "null":
+            return
+        if self.speculative:
+            raise ValueError(
+                f"disaggregation_mode={self.disaggregation_mode!r} cannot be combined with "
+                "speculative decoding yet: the prefill server does not send the draft "
+                "model's state"
+            )
+        if self.tp_size > 1:
+            raise ValueError(
+                f"disaggregation_mode={self.disaggregation_mode!r} needs tp_size=1 "
+                f"(got {self.tp_size}): sharded KV is not transferred yet"
+            )
 
     def _validate_parallel(self) -> None:
         _positive(self, "tp_size", "nnodes", "dist_timeout")

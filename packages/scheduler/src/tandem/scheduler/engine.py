@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.disagg.protocol import Bootstrap
 from tandem.scheduler.distributed import RankGroup, start_rank_zero
 from tandem.scheduler.engine_loop import EngineLoop
 from tandem.scheduler.intake import InputIds, Intake, ParamsArg, Prompt
@@ -66,6 +67,8 @@ class Engine:
         self._tokenizer_dir = Path(self.config.tokenizer_path or self.model_path)
         self._closed = False
         self._loop = EngineLoop(self.scheduler, speculative=self.config.speculative)
+        if self.scheduler.disagg is not None:
+            self.scheduler.disagg.inbox.wake = self._loop.wake
         no_grammar = self._no_grammar()
         self._intake = Intake(
             tokenizer=self.tokenizer,
@@ -75,6 +78,7 @@ class Engine:
             lookahead=self.config.speculative_lookahead,
             spec=parts.spec,
             in_use=self._loop.waiters.__contains__,
+            disaggregation_mode=self.config.disaggregation_mode,
             grammars=None if no_grammar else lambda: self._grammar_backend,
             no_grammar=no_grammar,
         )
@@ -106,6 +110,7 @@ class Engine:
         top_logprobs_num: int | Sequence[int] = 0,
         rid: str | Sequence[str] | None = None,
         return_token_times: bool = False,
+        bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
     ) -> Any:
         """Generate for one prompt or a batch.
 
@@ -119,10 +124,13 @@ class Engine:
         ``return_token_times``: ``meta_info["output_token_times"]`` lists when each
         output token reached the engine's host side (``time.perf_counter()`` seconds in
         this process): per-token latencies without a stream to read them from.
+        ``bootstrap`` (a ``disagg.Bootstrap``, or one per prompt) pairs a request with
+        its other half on a disaggregated pair of engines (``disaggregation_mode``);
+        ignored when the mode is ``null``.
         """
         single, waiters = self._submit(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
-            times=return_token_times,
+            times=return_token_times, bootstrap=bootstrap,
         )  # fmt: skip
         if stream:
             return ChunkStream(waiters[0])
@@ -139,13 +147,14 @@ class Engine:
         top_logprobs_num: int | Sequence[int] = 0,
         rid: str | Sequence[str] | None = None,
         return_token_times: bool = False,
+        bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
     ) -> Any:
         """The ``generate`` twin for asyncio: awaits the result, or with
         ``stream=True`` returns an async iterator of chunks."""
         loop = asyncio.get_running_loop() if stream else None
         single, waiters = self._submit(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
-            loop, times=return_token_times,
+            loop, times=return_token_times, bootstrap=bootstrap,
         )  # fmt: skip
         if stream:
             return ChunkStream(waiters[0])
@@ -160,6 +169,7 @@ class Engine:
         outbox: Outbox,
         return_logprob: Sequence[bool] | bool = False,
         top_logprobs_num: Sequence[int] | int = 0,
+        bootstrap: Sequence[Bootstrap | None] | None = None,
     ) -> None:
         """Queue a batch of requests, each named by its caller's id, whose output goes
         to ``outbox`` one step at a time (new ids and new logprobs, never text): the
@@ -168,7 +178,7 @@ class Engine:
         self._check_running()
         _, reqs = self._intake.requests(
             None, list(sampling_params), [list(ids) for ids in input_ids], return_logprob,
-            top_logprobs_num, False, list(rids), False, text=False,
+            top_logprobs_num, False, list(rids), False, text=False, bootstrap=bootstrap,
         )  # fmt: skip
         if len(reqs) != len(rids):
             raise ValueError("add_requests takes n=1 per request (one rid each)")
@@ -222,6 +232,8 @@ class Engine:
             "device_idle_s": timeline.idle_s,
             "device_idle_fraction": timeline.idle_fraction,
             "avg_spec_accept_length": s.counters.avg_spec_accept_length,
+            "disaggregation_bootstrap_port": getattr(s.disagg, "port", None)
+            or self.config.disaggregation_bootstrap_port,
         }
 
     def shutdown(self) -> None:
@@ -231,6 +243,8 @@ class Engine:
             return
         self._closed = True
         self._loop.stop()
+        if self.scheduler.disagg is not None:
+            self.scheduler.disagg.close()
         relay = self.scheduler.runner.relay
         if relay is not None and self.failure is None:
             with contextlib.suppress(Exception):  # a rank already gone
@@ -277,13 +291,14 @@ class Engine:
         rid: str | Sequence[str] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         times: bool = False,
+        bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
     ) -> tuple[bool, list[Waiter]]:
         """Check every request, then queue them all; nothing is queued when any
         request is invalid."""
         self._check_running()
         single, reqs = self._intake.requests(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
-            times,
+            times, bootstrap=bootstrap,
         )  # fmt: skip
         waiters = [Waiter(req, stream=stream, loop=loop) for req in reqs]
         for waiter in waiters:

@@ -21,6 +21,9 @@ from tandem.scheduler.streams import Chunk, Delta, Outbox, Waiter, put_all
 
 log = logging.getLogger(__name__)
 
+_PEER_POLL_S = 0.05
+"""Longest sleep of a loop waiting only for a disaggregation peer (its timeouts)."""
+
 _FLUSH_DRAIN_ITERATIONS = 8
 """Iterations a flush may run to land the batches still in flight for finished requests
 (one or two in practice) before it gives up."""
@@ -69,7 +72,9 @@ class EngineLoop:
         try:
             while True:
                 block = not self.scheduler.has_work()
-                if not self._drain_inbox(block):
+                # Waiting only for a disaggregation peer: its events wake the loop.
+                timeout = _PEER_POLL_S if not block and self.scheduler.waits_on_peers() else None
+                if not self._drain_inbox(block or timeout is not None, timeout):
                     break
                 self._deliver(self.scheduler.iterate())
         except BaseException as exc:
@@ -83,11 +88,15 @@ class EngineLoop:
                 waiter.put(RuntimeError("the engine shut down before the request finished"))
             self.waiters.clear()
 
-    def _drain_inbox(self, block: bool) -> bool:
+    def wake(self) -> None:
+        """Look at the scheduler now (a disaggregation peer said something)."""
+        self._inbox.put(("wake", None))
+
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> bool:
         """Move new requests into the scheduler; ``False`` when asked to stop."""
         while True:
             try:
-                kind, item = self._inbox.get(block=block)
+                kind, item = self._inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
+from tandem.scheduler.disagg.protocol import Bootstrap
 from tandem.scheduler.request import Request
 from tandem.scheduler.sampling import SamplingParams
 from tandem.scheduler.speculative import SpeculativeWorker
@@ -51,6 +52,9 @@ class Intake:
     spec: SpeculativeWorker | None
     in_use: Callable[[str], bool]
     """Whether a request id belongs to a request still running."""
+    disaggregation_mode: str = "null"
+    """``prefill`` and ``decode`` take only requests with bootstrap fields; ``null``
+    ignores them."""
     grammars: Callable[[], Any] | None = None
     """The engine's ``grammar.GrammarBackend`` (built on first use), or None when
     constrained output is refused, for the reason ``no_grammar``."""
@@ -67,6 +71,7 @@ class Intake:
         rid: str | Sequence[str] | None,
         times: bool,
         text: bool = True,
+        bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
     ) -> tuple[bool, list[Request]]:
         """The call's requests, in order, and whether it took a single prompt.
         ``text=False``: the caller decodes the ids itself, so a request without stop
@@ -93,12 +98,38 @@ class Intake:
             raise ValueError("stream=True takes n=1")
         rids = self._request_ids(rid, parsed)
         self._check_speculative(parsed)
+        boots = self._bootstraps(bootstrap, parsed)
         reqs = [
-            self._request(copy, request_id, times, text)
-            for item, ids in zip(parsed, rids, strict=True)
+            self._request(copy, request_id, times, text, boot)
+            for item, ids, boot in zip(parsed, rids, boots, strict=True)
             for copy, request_id in zip(_copies(item), ids, strict=True)
         ]
         return single and len(reqs) == 1, reqs
+
+    def _bootstraps(
+        self, bootstrap: Bootstrap | Sequence[Bootstrap | None] | None, parsed: list[_Parsed]
+    ) -> list[Bootstrap | None]:
+        """Each request's bootstrap fields, checked against this engine's mode."""
+        n = len(parsed)
+        boots = [bootstrap] * n if bootstrap is None or isinstance(bootstrap, Bootstrap) else None
+        if boots is None:
+            boots = _per_request(bootstrap, n, "bootstrap")
+        mode = self.disaggregation_mode
+        if mode == "null":
+            return [None] * n  # as SGLang: a plain server ignores them
+        for i, (boot, item) in enumerate(zip(boots, parsed, strict=True)):
+            if not isinstance(boot, Bootstrap):
+                raise ValueError(
+                    f"request {i}: this server runs disaggregation_mode={mode!r}, so each "
+                    "request needs bootstrap_host, bootstrap_port and bootstrap_room"
+                )
+            try:
+                boot.check()
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
+            if item.params.n > 1:
+                raise ValueError(f"request {i}: n > 1 cannot be disaggregated (one room each)")
+        return boots
 
     def _prompt_ids(self, prompt: Prompt, input_ids: InputIds) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):
@@ -193,7 +224,9 @@ class Intake:
             except ValueError as exc:
                 raise ValueError(f"request {i}: {exc}") from None
 
-    def _request(self, item: _Parsed, rid: str, times: bool, text: bool) -> Request:
+    def _request(
+        self, item: _Parsed, rid: str, times: bool, text: bool, boot: Bootstrap | None
+    ) -> Request:
         detok = (
             IncrementalDetokenizer(
                 self.tokenizer, item.prompt_ids, skip_special_tokens=item.params.skip_special_tokens
@@ -208,6 +241,7 @@ class Intake:
             stop=StopChecker(item.params.stop_strings, detok),
             return_logprob=item.return_logprob,
             top_logprobs_num=item.top_logprobs_num,
+            bootstrap=boot,
         )
         if times:
             req.token_times = []

@@ -93,6 +93,11 @@ class ScheduledBatch:
     spec_steps: list[int] = field(default_factory=list)  # spec decode: steps launched before
     return_logits: bool = False  # keep the sampled rows' logits (tests, tools)
     grammar: GrammarMasks | None = None  # constrained sampling rows' masks
+    # Prebuilt requests (disaggregated decode) to bootstrap before the forward resolves:
+    # their rows, first tokens (stashed) and lengths (published).
+    prebuilt_rows: list[int] = field(default_factory=list)
+    prebuilt_tokens: list[int] = field(default_factory=list)
+    prebuilt_lens: list[int] = field(default_factory=list)
     step: int = 0  # the forward step that launched it (names it in the page ledger)
 
     def add(

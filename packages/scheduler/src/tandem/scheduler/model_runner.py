@@ -147,6 +147,9 @@ class ModelRunner:
         # Prepare: the inputs on the device, the table entries written.
         inputs = inputs.on(self.device)
         self._write_tables(batch, inputs)
+        if batch.prebuilt_rows:  # as if their prefill had run here
+            self.future_map.stash(batch.prebuilt_rows, batch.prebuilt_tokens)
+            self.future_map.publish(batch.prebuilt_rows, batch.prebuilt_lens)
         if batch.mode is ForwardMode.SPEC_DECODE:
             return self._spec_step(batch, inputs, sampling)
         logits = self.driver.replay(batch, inputs)

@@ -90,6 +90,9 @@ class Request:
     spec_committed: int = 0
     spec_verify_ct: int = 0
     spec_launched: int = 0
+    # Its prefill server's bootstrap address and room (``disagg.Bootstrap``) when it is
+    # half of a disaggregated request; None otherwise.
+    bootstrap: Any = None
     # Its output constraint's matcher (``grammar.GrammarMatcher``), advanced with each
     # token received; None for free output.
     grammar: Any = None
@@ -119,7 +122,11 @@ class Stages:
     prefilling: list[Request] = field(default_factory=list)  # prompt not fully scheduled
     running: list[Request] = field(default_factory=list)  # decoding
     retiring: list[Request] = field(default_factory=list)  # left, a batch still in flight
+    # Disaggregated decode: holding a row and pages while its prompt's KV comes.
+    transferring: list[Request] = field(default_factory=list)
 
     def admitted(self) -> int:
         """Requests holding a row."""
-        return len(self.prefilling) + len(self.running) + len(self.retiring)
+        return (
+            len(self.prefilling) + len(self.running) + len(self.retiring) + len(self.transferring)
+        )

@@ -19,6 +19,8 @@ import torch
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.counters import Counters
 from tandem.scheduler.decode import DecodeManager
+from tandem.scheduler.disagg.decode import DecodeSide
+from tandem.scheduler.disagg.prefill import PrefillSide
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.messages import (
     GrammarMasks,
@@ -79,21 +81,39 @@ class Scheduler:
         self._pending: list[Update] = []  # aborts reported by the next iterate
         self._new_period = True  # idle before the next launch (for the timeline)
         self._constrained: set[Request] = set()  # requests with a grammar, until finished
+        self.disagg: PrefillSide | DecodeSide | None = None  # set by ``disaggregate``
         # Diagnostic hook (tests, tools): keep each sampled row's logits by request id.
         self.record_logits = False
         self.recorded_logits: dict[str, list[torch.Tensor]] = {}
 
+    def disaggregate(self, side: PrefillSide | DecodeSide) -> None:
+        """Serve one half of disaggregated requests (``disagg``)."""
+        self.disagg = side
+
     # -- intake -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.max_samples = min(req.params.max_new_tokens, self.context_length - len(req.prompt_ids))
-        self.stages.waiting.append(req)
         if req.grammar is not None:
             self._constrained.add(req)
+        disagg = self.disagg
+        if disagg is not None and req.bootstrap is not None:
+            refused = disagg.add(req)
+            if refused is not None:
+                self._pending.append(refused)
+                return
+            if isinstance(disagg, DecodeSide):
+                return  # it waits there for its KV, not for a prefill
+        self.stages.waiting.append(req)
 
     def abort(self, rid: str) -> bool:
         """End request ``rid`` wherever it is; its resources come back once no
         launched batch uses them. Returns whether the request was found."""
         stages = self.stages
+        if isinstance(self.disagg, DecodeSide):
+            update = self.disagg.abort(rid)
+            if update is not None:
+                self._pending.append(update)
+                return True
         for req in (*stages.waiting, *stages.prefilling, *stages.running, *stages.retiring):
             if req.rid == rid and not req.finished:
                 if req in stages.waiting:
@@ -102,6 +122,8 @@ class Scheduler:
                 reason = FinishReason("abort", message="aborted by the client")
                 self._pending.append(self.release.finish(req, reason))
                 self.release.release(req)
+                if isinstance(self.disagg, PrefillSide) and req.bootstrap is not None:
+                    self.disagg.ended(req)
                 return True
         return False
 
@@ -109,6 +131,14 @@ class Scheduler:
         s = self.stages
         return bool(
             s.waiting or s.prefilling or s.running or s.retiring or self._pending or self._previous
+        ) or (self.disagg is not None and self.disagg.has_work())
+
+    def waits_on_peers(self) -> bool:
+        """Whether all that is left is a disaggregation peer's answer: no batch to build,
+        none in flight (the loop may sleep until an event or a timeout)."""
+        s = self.stages
+        return self.disagg is not None and not (
+            s.waiting or s.prefilling or s.running or self._pending or self._previous
         )
 
     def has_requests(self) -> bool:
@@ -137,6 +167,8 @@ class Scheduler:
         the overlap loop processes the batch before first, for that step only."""
         start = time.perf_counter()
         updates, self._pending = self._pending, []
+        if self.disagg is not None:
+            updates += self.disagg.poll()
         decode_steps = self.counters.decode_steps
         waited = 0.0
         batch = self.schedule()
@@ -235,6 +267,8 @@ class Scheduler:
         if batch is not None:
             batch.return_logits = self.record_logits
             batch.grammar = self._masks(batch)
+            if isinstance(self.disagg, DecodeSide):
+                self.disagg.attach(batch)
         return batch
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedBatch:
@@ -272,6 +306,8 @@ class Scheduler:
             if not req.finished:
                 reason = FinishReason("length", length=len(req.output_ids))
                 updates.append(self.release.finish(req, reason))
+        if isinstance(self.disagg, PrefillSide):
+            updates = self.disagg.prefilled(updates)  # held until their KV is sent
         self.release.land(batch)
         return updates
 

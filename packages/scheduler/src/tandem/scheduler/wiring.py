@@ -159,6 +159,10 @@ def wire(cfg: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
     scheduler = Scheduler(
         cfg, runner, eos_ids=eos_ids, context_length=context_length, strict_accounting=debug
     )
+    if cfg.disaggregation_mode != "null":
+        from tandem.scheduler.disagg.side import disaggregate
+
+        disaggregate(cfg, scheduler)
     return EngineParts(
         model_path=model_path,
         model_config=mc,

@@ -60,6 +60,12 @@ class ServerState:
     lifecycle: Lifecycle
     preparer: Preparer
     tool_format: str = "llama3"  # tool_calls.FORMATS; see tool_format_of
+    disaggregation_mode: str = "null"  # EngineConfig.disaggregation_mode
+
+    @property
+    def disaggregated(self) -> bool:
+        """One half of a prefill/decode pair: every request carries bootstrap fields."""
+        return self.disaggregation_mode != "null"
 
 
 def tool_format_of(
@@ -85,8 +91,24 @@ def ready_line(app: FastAPI, url: str) -> str:
     return f'tandem is ready at {url} serving model "{st.model_name}" on {device}'
 
 
+def check_disaggregation(engine_kwargs: dict[str, Any], config: ServerConfig) -> str:
+    """The server's ``disaggregation_mode``; a ``ValueError`` naming ``dp_size`` when
+    replicas are asked of a prefill or decode server."""
+    mode = str(engine_kwargs.get("disaggregation_mode") or "null")
+    if mode != "null" and config.dp_size > 1:
+        # Each replica would need a bootstrap server of its own, while a gateway knows one
+        # bootstrap port per prefill server.
+        raise ValueError(
+            f"dp_size={config.dp_size} cannot be combined with disaggregation_mode={mode}: "
+            "a prefill or decode server runs one engine; start several servers and list "
+            "each with the gateway instead"
+        )
+    return mode
+
+
 def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
+    mode = check_disaggregation(engine_kwargs, config)
     lifecycle = Lifecycle()
     client: SchedulerClient | DataParallelClient
     if config.dp_size > 1:
@@ -119,7 +141,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
         log.info("tool calls are parsed as %s (%s)", tool_format, why)
         holder["state"] = ServerState(
             client, metrics, tokenizer, limits, model_name, config, lifecycle, preparer,
-            tool_format,
+            tool_format, mode,
         )  # fmt: skip
         instance.state.tandem = holder["state"]
         try:
@@ -135,6 +157,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
         app, lambda: holder["state"].limits if "state" in holder else None, config.max_choices
     )
     install_front_door(app, config, lifecycle)
+    bootstrap_required = mode != "null"  # by the routes' schemas
 
     def state() -> ServerState:
         return holder["state"]
@@ -154,8 +177,12 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
 
     @app.get("/health_generate", openapi_extra=openapi_schemas.UNAVAILABLE)
     async def health_generate(request: Request) -> Response:
-        """SGLang's deeper check: a one-token generation through the whole path."""
+        """SGLang's deeper check: a one-token generation through the whole path. A prefill
+        or decode server cannot generate alone (half a request needs its peer): there it
+        answers as ``/health`` does."""
         st = state()
+        if st.disaggregated:
+            return await health()
         jobs = parsing.expand(
             [[0]], {"max_new_tokens": 1, "temperature": 0}, 1, st.limits, False, 0
         )
@@ -204,7 +231,9 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
 
     @app.post(
         "/v1/completions",
-        openapi_extra=openapi_schemas.openai_body(openapi_schemas.COMPLETION_REQUEST, model_name),
+        openapi_extra=openapi_schemas.openai_body(
+            openapi_schemas.COMPLETION_REQUEST, model_name, bootstrap_required
+        ),
     )
     async def completions(request: Request) -> Response:
         st = state()
@@ -214,7 +243,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     @app.post(
         "/v1/chat/completions",
         openapi_extra=openapi_schemas.openai_body(
-            openapi_schemas.CHAT_COMPLETION_REQUEST, model_name
+            openapi_schemas.CHAT_COMPLETION_REQUEST, model_name, bootstrap_required
         ),
     )
     async def chat_completions(request: Request) -> Response:
@@ -223,7 +252,10 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
         return await _respond(st, request, body, jobs, chat=True, tools=tools)
 
     @app.post(
-        "/generate", openapi_extra=openapi_schemas.json_body(openapi_schemas.GENERATE_REQUEST)
+        "/generate",
+        openapi_extra=openapi_schemas.json_body(
+            openapi_schemas.with_bootstrap(openapi_schemas.GENERATE_REQUEST, bootstrap_required)
+        ),
     )
     async def generate(request: Request) -> Response:
         st = state()
@@ -371,11 +403,13 @@ def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], li
     params.update(structured.openai_grammar(body))
     top = parsing.int_in(body, "logprobs", 0, parsing.MAX_TOP_LOGPROBS)
     prompts = _completion_prompts(st, parsing.integral_ids(body.get("prompt")), n)
+    boot = parsing.bootstrap(body, st.disaggregated, len(prompts), lists=True)
+    parsing.check_one_choice(boot, n)
     jobs = parsing.expand(
         prompts, params, n, st.limits, top is not None, top or 0,
         default_max=_COMPLETIONS_DEFAULT_MAX_TOKENS,
     )  # fmt: skip
-    return body, jobs
+    return body, parsing.with_bootstrap(jobs, boot)
 
 
 def _prepare_chat(
@@ -385,6 +419,8 @@ def _prepare_chat(
     _check_model(st, body)
     n = parsing.choices_count(body)
     parsing.check_fan_out(1, n, st.config.max_choices)
+    boot = parsing.bootstrap(body, st.disaggregated)
+    parsing.check_one_choice(boot, n)
     params = parsing.sampling_from_openai(body, st.limits)
     grammar = structured.openai_grammar(body)
     plan = tool_calls.plan(body, st.tool_format)
@@ -401,7 +437,8 @@ def _prepare_chat(
     if top and not want:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     ids = _chat_prompt(st, body, plan.template_tools if plan is not None else None)
-    return body, parsing.expand([ids], params, n, st.limits, want, top), plan
+    jobs = parsing.expand([ids], params, n, st.limits, want, top)
+    return body, parsing.with_bootstrap(jobs, boot), plan
 
 
 def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
@@ -415,6 +452,7 @@ def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[J
     if parsing._typed(body, "rid", str, "a string") == "":
         raise APIError("rid must not be empty", param="rid")
     parsing._bool(body, "stream")
+    boot = parsing.bootstrap(body, st.disaggregated)
     if text is not None:
         if not isinstance(text, str) or not text:
             raise APIError("text must be a non-empty string", param="text")
@@ -427,7 +465,7 @@ def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[J
     jobs = parsing.expand(
         [ids], params, 1, st.limits, want, top, default_max=128, prefix="sampling_params."
     )
-    return body, jobs
+    return body, parsing.with_bootstrap(jobs, boot)
 
 
 # -- OpenAI responses --------------------------------------------------------------------------
@@ -497,6 +535,8 @@ async def _respond(
     if not stream:
         with _grammar_errors(body, tools):
             choices = await collect(st.client, st.metrics, jobs, request)
+        for c in choices:
+            _check_handed_over(jobs, c.meta)
         completion = sum(len(c.ids) for c in choices)
         return JSONResponse(
             {
@@ -514,6 +554,12 @@ async def _respond(
     include_usage = bool((options or {}).get("include_usage"))
     with _grammar_errors(body, tools):
         first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs))
+    if first is not None:
+        try:
+            _check_handed_over(jobs, first.meta)
+        except APIError:
+            await events.aclose()  # type: ignore[attr-defined]
+            raise
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def frame(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -539,6 +585,7 @@ async def _respond(
                 )  # fmt: skip
             async with contextlib.aclosing(with_first(first, events)) as all_events:
                 async for event in all_events:
+                    _check_handed_over(jobs, event.meta)
                     completion += len(event.ids)
                     if not event.text and event.finish_reason is None and not event.ids:
                         continue
@@ -556,6 +603,20 @@ async def _respond(
 
     return ClosingStreamingResponse(
         until_disconnect(request, sse()), media_type="text/event-stream"
+    )
+
+
+def _check_handed_over(jobs: list[Job], meta: dict[str, Any]) -> None:
+    """A disaggregated request that the engine ended (its peer failed, timed out or was
+    unreachable) as an error: OpenAI's finish reasons have no word for it, and a
+    ``stop`` with the text cut short would pass for an answer. (``/generate`` shows the
+    engine's ``finish_reason`` itself, with its message.)"""
+    reason = meta.get("finish_reason")
+    if jobs[0].bootstrap is None or not isinstance(reason, dict) or reason.get("type") != "abort":
+        return
+    message = reason.get("message") or "the request was aborted"
+    raise APIError(
+        f"prefill/decode disaggregation failed: {message}", status=503, code="disaggregation_failed"
     )
 
 

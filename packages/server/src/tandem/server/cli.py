@@ -29,6 +29,8 @@ _CHOICES = {
     "load_format": engine_config.LOAD_FORMATS,
     "schedule_policy": engine_config.SCHEDULE_POLICIES,
     "compile_checks": engine_config.COMPILE_CHECKS,
+    "disaggregation_mode": engine_config.DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": engine_config.TRANSFER_BACKENDS,
 }
 
 
@@ -178,7 +180,7 @@ def _check(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from tandem.server.app import create_app, ready_line
+    from tandem.server.app import check_disaggregation, create_app, ready_line
     from tandem.server.http_server import CLOSE_GRACE_S, TandemServer
 
     kwargs = engine_kwargs(args)
@@ -199,6 +201,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         name = str(exc).split(":", 1)[0].split(" ", 1)[0]
         parser.error(f"argument --{name.replace('_', '-')}: {exc}")
+    try:
+        check_disaggregation(kwargs, config)
+    except ValueError as exc:
+        parser.error(f"argument --dp-size: {exc}")
     app = create_app(kwargs, config)
     uv_config = uvicorn.Config(
         app,

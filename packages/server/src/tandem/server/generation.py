@@ -139,6 +139,9 @@ async def run_jobs(
         }
         for job in jobs
     ]
+    for entry, job in zip(wire, jobs, strict=True):
+        if job.bootstrap is not None:
+            entry["bootstrap"] = job.bootstrap
     texts = [TextStream(client.tokenizer, job) for job in jobs]
     start = time.perf_counter()
     last = [start] * len(jobs)

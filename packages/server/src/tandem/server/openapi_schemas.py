@@ -25,7 +25,8 @@ INT_LOW, INT_HIGH = -(9 * 10**18), 9 * 10**18  # parsing's bounds on top_k and s
 
 # A schema carrying this key gets a bound ``document`` knows once the server runs:
 # token_id: maximum vocab_size - 1; tokens: maximum context_length - 1; prompt: maxItems
-# context_length - 1; choices: maxItems max_choices.
+# context_length - 1; choices: maxItems max_choices. And room: maximum ROOM_MAX, set there
+# because FastAPI writes the bounds it is given as doubles, and 2**64 - 1 is none.
 _BOUND = "x-tandem-bound"
 
 _NUMBER: dict[str, Any] = {"type": "number"}
@@ -330,6 +331,68 @@ GENERATE_REQUEST: dict[str, Any] = {
 }
 
 
+# -- prefill/decode disaggregation -------------------------------------------------------------
+ROOM_MAX = 2**64 - 1  # parsing.ROOM_MAX
+BOOTSTRAP_HOST_PATTERN = r"^[A-Za-z0-9._:%\[\]-]+$"  # parsing.BOOTSTRAP_HOST_PATTERN
+_BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+_BOOTSTRAP_TYPES: dict[str, dict[str, Any]] = {
+    "bootstrap_host": {
+        "type": "string", "minLength": 1, "maxLength": 255, "pattern": BOOTSTRAP_HOST_PATTERN,
+        "description": "The prefill server's bootstrap host (a name or an IP address).",
+    },
+    "bootstrap_port": {
+        "type": "integer", "minimum": 1, "maximum": 65535,
+        "description": "The prefill server's bootstrap port (--disaggregation-bootstrap-port).",
+    },
+    "bootstrap_room": {
+        "type": "integer", "minimum": 0, _BOUND: "room",
+        "description": "Pairs the prefill and the decode half of this request (unsigned 64-bit).",
+    },
+}  # fmt: skip
+_BOOTSTRAP_NOTE = (
+    "Prefill/decode disaggregation (SGLang's fields, which a gateway such as `smg launch "
+    "--pd-disaggregation` adds): bootstrap_host, bootstrap_port and bootstrap_room come "
+    "together or not at all, and with them a request generates one sequence. (SGLang's "
+    "batch form is taken too, undescribed here: on /v1/completions with a list of prompts, "
+    "each field a list of one value per prompt, the rooms all different.)"
+)
+# What a request with bootstrap fields may ask for besides: one sequence.
+_ONE_SEQUENCE: dict[str, dict[str, Any]] = {
+    "CompletionRequest": {
+        "n": {"enum": [1, None]},
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "integer"}},
+                {"type": "array", "maxItems": 1},
+            ]
+        },
+    },
+    "ChatCompletionRequest": {"n": {"enum": [1, None]}},
+}
+
+
+def with_bootstrap(schema: dict[str, Any], required: bool) -> dict[str, Any]:
+    """``schema`` with the bootstrap fields; ``required``: on a prefill or decode server,
+    where every request carries them."""
+    given: dict[str, Any] = {
+        "required": list(_BOOTSTRAP_FIELDS),
+        "properties": {
+            **{name: {"not": {"type": "null"}} for name in _BOOTSTRAP_FIELDS},
+            **_ONE_SEQUENCE.get(schema.get("title", ""), {}),
+        },
+    }
+    absent = {"properties": {name: {"type": "null"} for name in _BOOTSTRAP_FIELDS}}
+    out = {**schema, "properties": {**schema["properties"]}}
+    for name, field in _BOOTSTRAP_TYPES.items():
+        out["properties"][name] = field if required else _nullable(field)
+    out["allOf"] = [*schema.get("allOf", []), given if required else {"anyOf": [given, absent]}]
+    note = "Every request carries the bootstrap fields here." if required else ""
+    texts = (schema.get("description", ""), _BOOTSTRAP_NOTE, note)
+    out["description"] = " ".join(text for text in texts if text)
+    return out
+
+
 # -- answers -------------------------------------------------------------------------------------
 _ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -406,10 +469,14 @@ def json_body(schema: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def openai_body(schema: dict[str, Any], model_name: str) -> dict[str, Any]:
+def openai_body(
+    schema: dict[str, Any], model_name: str, bootstrap_required: bool = False
+) -> dict[str, Any]:
     """``json_body`` of an OpenAI route whose ``model`` must be ``model_name`` when given
-    (any other name is a 404, ``model_not_found``)."""
+    (any other name is a 404, ``model_not_found``), with the bootstrap fields
+    (``with_bootstrap``)."""
     model = {"const": model_name, "description": "The served model; may be left out."}
+    schema = with_bootstrap(schema, bootstrap_required)
     named = {**schema, "properties": {**schema["properties"], "model": _nullable(model)}}
     extra = json_body(named)
     extra["responses"]["404"] = _NOT_FOUND
@@ -491,7 +558,10 @@ def _answers(schema: dict[str, Any]) -> None:
 
 
 def _bounds(schema: dict[str, Any], limits: Limits | None, max_choices: int) -> None:
-    values: dict[str, tuple[str, int]] = {"choices": ("maxItems", max_choices)}
+    values: dict[str, tuple[str, int]] = {
+        "choices": ("maxItems", max_choices),
+        "room": ("maximum", ROOM_MAX),
+    }
     if limits is not None:
         values["token_id"] = ("maximum", limits.vocab_size - 1)
         values["tokens"] = ("maximum", limits.context_length - 1)

@@ -54,6 +54,9 @@ class Job:
     params: dict[str, Any]
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    bootstrap: dict[str, Any] | None = None
+    """``{"host", "port", "room"}``: the prefill server and room pairing this job's two
+    halves (``bootstrap`` below), or ``None``."""
 
 
 @dataclass
@@ -459,4 +462,110 @@ def expand(
             if copy.get("seed") is not None:
                 copy["seed"] = copy["seed"] + i
             jobs.append(Job(p * n + i, ids, copy, return_logprob, top_logprobs_num))
+    return jobs
+
+
+# -- prefill/decode disaggregation -------------------------------------------------------------
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+ROOM_MAX = 2**64 - 1  # rooms are unsigned 64-bit (SGLang's gateway draws them so)
+MAX_BOOTSTRAP_HOST = 255  # the longest DNS name
+BOOTSTRAP_HOST_PATTERN = r"^[A-Za-z0-9._:%\[\]-]+$"  # names, IPv4, IPv6 (bracketed or not)
+_HOST = re.compile(BOOTSTRAP_HOST_PATTERN.strip("^$"))
+
+
+def bootstrap(
+    body: Mapping[str, Any], required: bool, prompts: int = 1, lists: bool = False
+) -> list[dict[str, Any]] | None:
+    """SGLang's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``, which a
+    gateway in front of prefill and decode servers adds to both halves of a request:
+    all three or none (``null`` is absent); one ``{"host", "port", "room"}`` per prompt.
+
+    ``required``: this server is a prefill or a decode server, which cannot serve a
+    request without them. ``lists``: the route takes several prompts (``/v1/completions``),
+    where each field may also be a list of one value per prompt, as SGLang takes them (and
+    ``smg`` sends them); with more than one prompt, rooms must be such a list, each
+    different, since a room pairs one sequence.
+    """
+    given = {name: body.get(name) for name in BOOTSTRAP_FIELDS if body.get(name) is not None}
+    if not given and not required:
+        return None
+    missing = [name for name in BOOTSTRAP_FIELDS if name not in given]
+    if missing:
+        why = (
+            f"it has {', '.join(given)}"
+            if given
+            else "this server is one half of a prefill/decode pair (--disaggregation-mode), "
+            "which a gateway such as `smg launch --pd-disaggregation` sends requests to"
+        )
+        raise APIError(
+            f"{', '.join(missing)} missing: a request carries bootstrap_host, bootstrap_port "
+            f"and bootstrap_room together, or none of them ({why})",
+            param=missing[0],
+        )
+    values: dict[str, list[Any]] = {}
+    for name, value in given.items():
+        if isinstance(value, list) and lists:
+            if len(value) != prompts:
+                raise APIError(
+                    f"{name} lists {len(value)} value(s) for {prompts} prompt(s): one per prompt",
+                    param=name,
+                )
+            values[name] = [_bootstrap_value(name, v, f"{name}[{i}]") for i, v in enumerate(value)]
+        else:
+            values[name] = [_bootstrap_value(name, value, name)] * prompts
+    rooms = values["bootstrap_room"]
+    if prompts > 1 and not isinstance(given["bootstrap_room"], list):
+        raise APIError(
+            f"bootstrap_room must list one room per prompt ({prompts} here): a room pairs one "
+            "sequence",
+            param="bootstrap_room",
+        )
+    if len(set(rooms)) != len(rooms):
+        again = next(i for i, room in enumerate(rooms) if room in rooms[:i])
+        raise APIError(
+            f"bootstrap_room[{again}] repeats an earlier room: a room pairs one sequence",
+            param=f"bootstrap_room[{again}]",
+        )
+    hosts, ports = values["bootstrap_host"], values["bootstrap_port"]
+    return [{"host": h, "port": p, "room": r} for h, p, r in zip(hosts, ports, rooms, strict=True)]
+
+
+def _bootstrap_value(name: str, value: Any, param: str) -> Any:
+    """One bootstrap field's value, checked; ``param`` names it in errors."""
+    if value is None:  # only in a list: a null field is absent
+        raise APIError(f"{param} must not be null", param=param)
+    box = {param: value}
+    if name == "bootstrap_port":
+        return int_in(box, param, 1, 65535)
+    if name == "bootstrap_room":
+        return int_in(box, param, 0, ROOM_MAX)
+    host = _typed(box, param, str, "a string")
+    too_long = len(host) > MAX_BOOTSTRAP_HOST
+    # The schema's pattern ends in ``$``, which also matches before a final newline (in
+    # JSON Schema validators and Python alike): such a host is taken without it.
+    host = host.removesuffix("\n")
+    if too_long or not _HOST.fullmatch(host):
+        raise APIError(
+            f"{param} must be a host name or an IP address (1 to {MAX_BOOTSTRAP_HOST} "
+            f"letters, digits and . _ - : % [ ]), got {_show(host)}",
+            param=param,
+        )
+    return host
+
+
+def check_one_choice(boot: list[dict[str, Any]] | None, n: int) -> None:
+    """A room pairs one sequence on each side: no ``n > 1`` with bootstrap fields."""
+    if boot is not None and n > 1:
+        raise APIError(
+            "a request with bootstrap fields (prefill/decode disaggregation) takes n=1: its "
+            f"bootstrap_room pairs one prefill with one decode; this one asks for n={n}",
+            param="n",
+        )
+
+
+def with_bootstrap(jobs: list[Job], boot: list[dict[str, Any]] | None) -> list[Job]:
+    """Each prompt's bootstrap (``bootstrap``) on its job (``n`` is 1 with one)."""
+    if boot is not None:
+        for job in jobs:
+            job.bootstrap = boot[job.index]
     return jobs

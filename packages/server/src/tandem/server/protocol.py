@@ -12,7 +12,9 @@ from typing import Any
 import msgpack
 
 # API -> scheduler
-ADD = "add"  # jobs: [{rid, input_ids, params, return_logprob, top_logprobs_num}], all or none
+# jobs: [{rid, input_ids, params, return_logprob, top_logprobs_num, bootstrap?}], all or none;
+# bootstrap: {host, port, room} (prefill/decode disaggregation), absent when not given
+ADD = "add"
 ABORT = "abort"  # rids
 STOP = "stop"
 FLUSH_CACHE = "flush_cache"  # id: empty the radix cache if idle (answered by FLUSHED)

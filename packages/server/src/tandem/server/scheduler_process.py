@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from tandem.scheduler.disagg import Bootstrap
 from tandem.server import protocol
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def _add(engine: Any, msg: dict[str, Any], outbox: StepSender, push: zmq.Socket[
             outbox=outbox,
             return_logprob=[bool(job.get("return_logprob")) for job in jobs],
             top_logprobs_num=[int(job.get("top_logprobs_num") or 0) for job in jobs],
+            bootstrap=[_bootstrap(job.get("bootstrap")) for job in jobs],
         )
     except ValueError as exc:
         reply = {"type": protocol.ERROR, "rids": rids, "message": str(exc), "invalid": True}
@@ -130,6 +132,13 @@ def _add(engine: Any, msg: dict[str, Any], outbox: StepSender, push: zmq.Socket[
         log.error("refused %d requests: %s", len(rids), exc)
         reply = {"type": protocol.ERROR, "rids": rids, "message": "the engine stopped"}
         push.send(protocol.encode({**reply, "invalid": False}))
+
+
+def _bootstrap(fields: dict[str, Any] | None) -> Bootstrap | None:
+    """A job's bootstrap fields (checked by the API process) as the engine's type."""
+    if not fields:
+        return None
+    return Bootstrap(str(fields["host"]), int(fields["port"]), int(fields["room"]))
 
 
 def _flush_cache(engine: Any, msg: dict[str, Any], push: zmq.Socket[bytes]) -> None:
