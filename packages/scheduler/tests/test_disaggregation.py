@@ -6,6 +6,7 @@ nothing held on either side (strict accounting at idle, debug futures on)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -358,6 +359,36 @@ def test_prefill_server_dies_during_the_hand_over(
         reason = chunks[-1]["meta_info"]["finish_reason"]
         assert reason["type"] == "abort"
         assert f"prefill server 127.0.0.1:{port}" in reason["message"]
+        idle_clean(decode)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def test_constrained_output_crosses_over() -> None:
+    """A grammar on both halves (the embedded model has the tokenizer it needs): the
+    prefill server samples the first token under it, the decode server's matcher takes
+    that token and goes on; the output equals one engine's."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)}
+    options = {"device": "cpu", "debug_futures": True, "disaggregation_transfer_backend": "torch"}
+    with Engine(**options) as engine:
+        want = engine.generate("Give json:", params)
+    prefill = Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **options)
+    decode = Engine(disaggregation_mode="decode", **options)
+    try:
+        port = prefill.get_server_info()["disaggregation_bootstrap_port"]
+        boot = Bootstrap("127.0.0.1", port, next(_rooms))
+        box: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: box.update(p=prefill.generate("Give json:", params, bootstrap=boot))
+        )
+        thread.start()
+        got = decode.generate("Give json:", params, bootstrap=boot)
+        thread.join(30)
+        assert got["output_ids"] == want["output_ids"]
+        assert got["text"] == want["text"]
+        idle_clean(prefill)
         idle_clean(decode)
     finally:
         decode.shutdown()
