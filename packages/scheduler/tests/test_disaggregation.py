@@ -393,3 +393,44 @@ def test_constrained_output_crosses_over() -> None:
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def _until(check: Any) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _second_is_refused(engine: Engine, boot: Bootstrap) -> None:
+    second = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, bootstrap=boot)
+    reason = second["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort"
+    assert "already in use" in reason["message"]
+
+
+def test_a_room_in_use_is_refused(checkpoints: dict[str, Path]) -> None:
+    """Two requests with one room on a server: the second ends at once, the first is
+    unharmed."""
+    with _engines(checkpoints["llama"], "torch", timeout=10.0) as (prefill, decode):
+        port = prefill.get_server_info()["disaggregation_bootstrap_port"]
+        boot = Bootstrap("127.0.0.1", port, next(_rooms))
+        first = decode.generate(
+            input_ids=PROMPTS[0], sampling_params=GREEDY, bootstrap=boot, stream=True
+        )
+        _until(lambda: boot.room in decode.scheduler.disagg.transfers)
+        _second_is_refused(decode, boot)
+        prefill.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, bootstrap=boot)
+        assert sum(len(c["output_ids"]) for c in first) == GREEDY["max_new_tokens"]
+
+        boot = Bootstrap("127.0.0.1", port, next(_rooms))
+        first = prefill.generate(
+            input_ids=PROMPTS[0], sampling_params=GREEDY, bootstrap=boot, stream=True
+        )
+        _until(lambda: boot.room in prefill.scheduler.disagg.in_use)
+        _second_is_refused(prefill, boot)
+        done = decode.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, bootstrap=boot)
+        assert len(done["output_ids"]) == GREEDY["max_new_tokens"]
+        assert list(first)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        idle_clean(prefill)
+        idle_clean(decode)
