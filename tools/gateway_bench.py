@@ -127,6 +127,35 @@ def _gateway_ready(url: str, workers: int) -> bool:
     return response.status_code == 200 and response.json().get("healthy_workers") == workers
 
 
+def start_gateway(
+    routing: Sequence[str],
+    workers: int,
+    smg_args: Sequence[str],
+    processes: list[Started],
+    folder: Path,
+    env: Mapping[str, str],
+    timeout_s: float,
+) -> str:
+    """``smg launch`` on a free loopback port with ``routing`` (its worker arguments),
+    put first in ``processes`` (stopped before the workers it routes to); returns its
+    URL once it counts ``workers`` healthy workers."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "smg", "launch", *routing,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        # Nothing is in flight when this stops it: no drain window to wait out.
+        "--shutdown-grace-period-secs", "0", "--log-level", "warn", *smg_args,
+    ]  # fmt: skip
+    processes.insert(0, _start("smg", cmd, folder, env))
+    url = f"http://127.0.0.1:{port}"
+    _wait_until(
+        f"the gateway at {url} with {workers} healthy workers",
+        lambda: _gateway_ready(url, workers), processes, timeout_s,
+    )  # fmt: skip
+    return url
+
+
 @contextlib.contextmanager
 def fleet(
     workers: int = 2,
@@ -157,21 +186,8 @@ def fleet(
             urls.append(f"http://127.0.0.1:{port}")
         for url, started in zip(urls, processes, strict=True):
             _wait_until(f"{started.name} at {url}", lambda u=url: _healthy(u), processes, timeout_s)
-        port = free_port()
-        cmd = [
-            sys.executable, "-m", "smg", "launch", "--worker-urls", *urls, "--policy", policy,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            # Nothing is in flight when this stops it: no drain window to wait out.
-            "--shutdown-grace-period-secs", "0", "--log-level", "warn", *smg_args,
-        ]  # fmt: skip
-        # The gateway stops first, before the workers it routes to.
-        processes.insert(0, _start("smg", cmd, folder, env))
-        url = f"http://127.0.0.1:{port}"
-        _wait_until(
-            f"the gateway at {url} with {workers} healthy workers",
-            lambda: _gateway_ready(url, workers), processes, timeout_s,
-        )  # fmt: skip
+        routing = ["--worker-urls", *urls, "--policy", policy]
+        url = start_gateway(routing, workers, smg_args, processes, folder, env, timeout_s)
         yield Fleet(url, urls, processes)
 
 

@@ -41,8 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The sibling script, importable from this folder when this one is loaded by its path.
 from gateway_bench import (
@@ -53,6 +51,7 @@ from gateway_bench import (
     _stop,
     _wait_until,
     free_port,
+    start_gateway,
 )
 
 TRANSFER_BACKENDS = ("mooncake", "torch")  # tandem.scheduler.config.TRANSFER_BACKENDS
@@ -77,12 +76,6 @@ class PDFleet:
 def _serve_cmd(port: int, *args: str) -> list[str]:
     cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu"]
     return [*cmd, "--host", "127.0.0.1", "--port", str(port), *args]
-
-
-def _gateway_ready(url: str, workers: int) -> bool:
-    """The gateway takes requests and counts ``workers`` healthy workers."""
-    response = httpx.get(f"{url}/readiness", timeout=2)
-    return response.status_code == 200 and response.json().get("healthy_workers") == workers
 
 
 @contextlib.contextmanager
@@ -122,21 +115,9 @@ def pd_fleet(
         urls = [f"http://127.0.0.1:{port}" for port in (prefill_port, decode_port)]
         for url, started in zip(urls, processes, strict=True):
             _wait_until(f"{started.name} at {url}", lambda u=url: _healthy(u), processes, timeout_s)
-        port = free_port()
-        cmd = [
-            sys.executable, "-m", "smg", "launch", "--pd-disaggregation",
-            "--prefill", urls[0], str(bootstrap), "--decode", urls[1],
-            "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            # Nothing is in flight when this stops it: no drain window to wait out.
-            "--shutdown-grace-period-secs", "0", "--log-level", "warn", *smg_args,
-        ]  # fmt: skip
-        processes.insert(0, _start("smg", cmd, folder, env))
-        url = f"http://127.0.0.1:{port}"
-        _wait_until(
-            f"the gateway at {url} with its prefill and decode servers healthy",
-            lambda: _gateway_ready(url, 2), processes, timeout_s,
-        )  # fmt: skip
+        routing = ["--pd-disaggregation", "--prefill", urls[0], str(bootstrap)]
+        routing += ["--decode", urls[1]]
+        url = start_gateway(routing, 2, smg_args, processes, folder, env, timeout_s)
         yield PDFleet(url, urls[0], urls[1], bootstrap, processes)
 
 

@@ -23,6 +23,10 @@ class FinishReason:
     matched: int | str | None = None
     message: str | None = None
 
+    @classmethod
+    def abort(cls, message: str) -> FinishReason:
+        return cls("abort", message=message)
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind}
         if self.kind == "length":

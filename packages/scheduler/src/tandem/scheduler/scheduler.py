@@ -119,7 +119,7 @@ class Scheduler:
                 if req in stages.waiting:
                     stages.waiting.remove(req)
                 req.retracting = False  # an aborted request is not requeued
-                reason = FinishReason("abort", message="aborted by the client")
+                reason = FinishReason.abort("aborted by the client")
                 self._pending.append(self.release.finish(req, reason))
                 self.release.release(req)
                 if isinstance(self.disagg, PrefillSide) and req.bootstrap is not None:

@@ -26,14 +26,13 @@ from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.counters import Counters
 from tandem.scheduler.disagg import layout
 from tandem.scheduler.disagg.bootstrap import BootstrapClient, Event, Inbox, Message
-from tandem.scheduler.disagg.transfer import KVTransport
+from tandem.scheduler.disagg.transfer import KEY_LIMIT, KVTransport
 from tandem.scheduler.messages import PenaltyReset, ScheduledBatch, StepResult, Update
 from tandem.scheduler.release import Release
 from tandem.scheduler.request import FinishReason, Request, Stages
 from tandem.scheduler.resources import Resources
 
 log = logging.getLogger(__name__)
-_KEYS = 1 << 31  # transfer keys are small non-negative ints (torch's p2p tags)
 
 
 @dataclass
@@ -179,7 +178,7 @@ class DecodeSide:
         size = self.resources.kv_pool.page_size
         cached = req.kv_len  # whole pages from the radix cache
         pages = req.pages[cached // size : self.resources.kv_pool.pages_for(len(req.prompt_ids))]
-        key = next(self._keys) % _KEYS
+        key = next(self._keys) % KEY_LIMIT
         want = {
             "op": "want",
             "room": boot.room,
@@ -263,7 +262,7 @@ class DecodeSide:
     # -- endings ----------------------------------------------------------------------------
     def _end(self, req: Request, why: str) -> Update:
         """End a request that holds nothing yet."""
-        update = self.release.finish(req, _abort(why))
+        update = self.release.finish(req, FinishReason.abort(why))
         self.release.release(req)
         return update
 
@@ -273,7 +272,7 @@ class DecodeSide:
         req = transfer.req
         self.stages.transferring.remove(req)
         log.warning("%s", why)
-        update = self.release.finish(req, _abort(why))
+        update = self.release.finish(req, FinishReason.abort(why))
         self.release.release(req)
         return update
 
@@ -284,7 +283,7 @@ class DecodeSide:
         req = transfer.req
         self.stages.transferring.remove(req)
         self.client.send(transfer.address, {"op": "cancel", "room": room, "message": why})
-        update = self.release.finish(req, _abort(why))
+        update = self.release.finish(req, FinishReason.abort(why))
         req.in_flight += 1
         self.held[room] = _Held(req, transfer.address, time.monotonic())
         return update
@@ -297,10 +296,6 @@ class DecodeSide:
     def close(self) -> None:
         self.transport.close()
         self.client.close()
-
-
-def _abort(message: str) -> FinishReason:
-    return FinishReason("abort", message=message)
 
 
 def _first(done: Message) -> StepResult:

@@ -84,7 +84,9 @@ class PrefillSide:
         room = req.bootstrap.room
         req.max_samples = min(req.max_samples, 1)
         if room in self.in_use:
-            update = self.release.finish(req, _abort(f"bootstrap_room {room} is already in use"))
+            update = self.release.finish(
+                req, FinishReason.abort(f"bootstrap_room {room} is already in use")
+            )
             self.release.release(req)
             return update
         self.in_use.add(room)
@@ -227,7 +229,7 @@ class PrefillSide:
         req = item.req
         if error is not None:
             log.warning("%s", error)
-            req.finish = _abort(error)
+            req.finish = FinishReason.abort(error)
             self.release.counters.aborted_requests += 1
         req.in_flight -= 1
         self.release.release(req)
@@ -237,10 +239,6 @@ class PrefillSide:
         self.transport.close()
         self.server.close()
         self._sender.shutdown(wait=False, cancel_futures=True)
-
-
-def _abort(message: str) -> FinishReason:
-    return FinishReason("abort", message=message)
 
 
 def _why(req: Request) -> str:
