@@ -16,7 +16,8 @@ from tandem.scheduler import Engine
 from tandem.scheduler.attention import decode_stage
 from tandem.scheduler.attention.decode_stage import DecodeStage, capacity_for, stage_fits
 from tandem.scheduler.attention.torch_backend import TorchAttention
-from tandem.scheduler.memory import KVLayout
+from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
+from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool
 
 # Output lengths that differ, so the batch loses a request every few steps and the stage
 # restarts; one long enough to outgrow the first stage's capacity (128 keys of room).
@@ -24,10 +25,10 @@ PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(5 + 9 * i)] for i in range(6)]
 OUTPUT_LENS = [3, 40, 9, 150, 1, 25]
 
 
-def _run(overlap: bool, stage: bool) -> list[list[int]]:
+def _run(overlap: bool, stage: bool, dtype: str = "float32") -> list[list[int]]:
     engine = Engine(
         device="cpu",
-        dtype="float32",
+        dtype=dtype,
         disable_overlap_schedule=not overlap,
         skip_tokenizer_init=True,
         disable_progress_bar=True,
@@ -112,9 +113,11 @@ def test_a_new_stage_zeroes_keys_past_the_longest_sequence() -> None:
     stage = DecodeStage(rows=[1, 2], seq_lens=[3, 5], capacity=64)
     gathered = torch.randn(2, 5, 2, 4)
     k, v = stage.start(0, (gathered, gathered + 1))
-    assert k.shape == v.shape == (2, 2, 5, 4)
-    torch.testing.assert_close(k, gathered.transpose(1, 2))
-    assert torch.count_nonzero(stage.keys[0][:, :, 5:]) == 0
+    assert k.shape == v.shape == (2, 2, 64, 4)
+    assert k is stage.keys[0]
+    assert v is stage.values[0]
+    torch.testing.assert_close(k[:, :, :5], gathered.transpose(1, 2))
+    assert torch.count_nonzero(k[:, :, 5:]) == 0
 
 
 def test_the_stage_is_bounded_in_memory() -> None:
@@ -180,3 +183,60 @@ def test_a_stage_continued_for_another_request_fails_the_check() -> None:
     table[2, 1] = 20  # row 2 now maps position 1 to another request's slot
     with pytest.raises(RuntimeError, match=r"row 2 \(seq_len 4\).*position 1;"):
         stage.check(Cache(), table)
+
+
+def test_bfloat16_decode_attends_the_whole_stage_as_a_reference_does() -> None:
+    """A bfloat16 decode batch attends over its stage's whole capacity (two matrix
+    products on contiguous operands), each request's keys past its length masked: the
+    result is attention over that request's keys alone, on the step that starts the
+    stage and on the steps that continue it."""
+    heads, kv_heads, dim, scale = 6, 2, 16, 0.25
+    layout = KVLayout(1, kv_heads, dim, torch.bfloat16)
+    kv, pool = PagedKVPool(256, 4, layout, "cpu"), ReqToTokenPool(4, 256, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    starts = [9, 30, 17]  # prompt lengths: the batch's keys differ in length
+    rows, slots = [], []
+    for length in starts:
+        row = pool.alloc()
+        pages = kv.alloc_pages(kv.pages_for(length + 8))
+        assert row is not None
+        assert pages is not None
+        row_slots = kv.slots(pages, 0, length + 8)
+        pool.req_to_token[row, : len(row_slots)] = torch.tensor(row_slots, dtype=torch.int32)
+        prompt = row_slots[:length]
+        kv.k_buffer(0)[prompt] = torch.randn(length, kv_heads, dim, generator=gen).bfloat16()
+        kv.v_buffer(0)[prompt] = torch.randn(length, kv_heads, dim, generator=gen).bfloat16()
+        rows.append(row)
+        slots.append(row_slots)
+    backend = TorchAttention(kv, pool.req_to_token)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    for step in range(4):
+        seq = [length + step + 1 for length in starts]
+        locs = [row_slots[s - 1] for row_slots, s in zip(slots, seq, strict=True)]
+        batch = ForwardBatch(
+            ForwardMode.DECODE, t([0, 0, 0]), t([s - 1 for s in seq]), t(rows), t(seq),
+            t([s - 1 for s in seq]), t([1, 1, 1]), t(locs), seq, [1, 1, 1], rows,
+        )  # fmt: skip
+        backend.plan(batch)
+        assert (backend.staged_decode() is not None) == (step > 0)
+        q = torch.randn(3, heads, dim, generator=gen).bfloat16()
+        k = torch.randn(3, kv_heads, dim, generator=gen).bfloat16()
+        v = torch.randn(3, kv_heads, dim, generator=gen).bfloat16()
+        got = backend.forward(0, q, k, v, scale)
+        assert got.dtype == torch.bfloat16
+        assert got.shape == (3, heads * dim)
+        for i, (row_slots, s) in enumerate(zip(slots, seq, strict=True)):
+            keys = kv.k_buffer(0)[row_slots[:s]].double().repeat_interleave(3, 1)
+            values = kv.v_buffer(0)[row_slots[:s]].double().repeat_interleave(3, 1)
+            weights = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), keys) * scale, -1)
+            want = torch.einsum("hl,lhd->hd", weights, values).reshape(-1)
+            torch.testing.assert_close(got[i].double(), want, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_bfloat16_staged_tokens_equal_gathered_tokens(overlap: bool) -> None:
+    """The whole-stage bfloat16 path against the same engine gathering every step
+    (attention cut to the longest sequence)."""
+    assert _run(overlap, stage=True, dtype="bfloat16") == _run(
+        overlap, stage=False, dtype="bfloat16"
+    )

@@ -140,13 +140,13 @@ class DecodeStage:
         self, layer_id: int, gathered: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill a layer's stage on the step that starts it, from its keys and values
-        gathered from the paged cache (``[B, L, Hkv, D]`` each, the step's own K/V
-        written already), and return them as ``[B, Hkv, L, D]`` (L the longest
-        sequence). The steps that continue the stage attend with ``StagedDecode``."""
-        length = max(self.seq_lens)
+        gathered from the paged cache (``[B, L, Hkv, D]`` each, L the longest sequence,
+        the step's own K/V written already), and return the stage's keys and values,
+        ``[B, Hkv, capacity, D]``, zero past L. The steps that continue the stage
+        attend with ``StagedDecode``."""
         keys, values = (self._start(x) for x in gathered)
         self.keys[layer_id], self.values[layer_id] = keys, values
-        return keys[:, :, :length], values[:, :, :length]
+        return keys, values
 
     def layers(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Every layer's staged keys and values, indexed by layer id. The start step
