@@ -74,6 +74,10 @@ class EngineConfig:
             stream's worker thread only); default: torch's intra-op threads for a model
             of at least 16M weights per token (``wiring.default_forward_threads``), else
             one fewer, at least 1, which leaves a core to the scheduler thread.
+        disable_cpu_malloc_tuning: leave glibc's allocator at its defaults on the CPU.
+            By default a CPU engine raises glibc's mmap and trim thresholds for its
+            process, so the memory a forward frees is reused by the next step instead
+            of being returned to the kernel and faulted in again (``cpu_malloc``).
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
             the ``torch`` backend's decode stage, without speculative decoding).
@@ -151,6 +155,7 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cpu_forward_threads: int | None = None
+    disable_cpu_malloc_tuning: bool = False
     disable_decode_trace: bool = False
     skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None

@@ -29,6 +29,7 @@ from tandem.scheduler.attention import (
 )
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.cpu_malloc import keep_freed_memory
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.default_model import default_model_path
@@ -80,7 +81,9 @@ def wire(cfg: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
     ``ranks`` (tensor parallelism), this rank's parts: its shard of the model and of
     the KV heads, pools the same size on every rank, and on rank 0 the relay that sends
     each launched step to the others. On the CPU the parts are built on a thread of
-    their own (``_on_loader_thread``); the caller's intra-op threads size the forward's."""
+    their own (``_on_loader_thread``); the caller's intra-op threads size the forward's;
+    and the process's allocator keeps freed memory (``cpu_malloc``) unless
+    ``disable_cpu_malloc_tuning``."""
     if ranks is not None:
         device = torch.device(rank_device(cfg, ranks.local_rank) or "cpu")
     else:
@@ -88,6 +91,8 @@ def wire(cfg: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
     cores = torch.get_num_threads()
     if device.type != "cpu":
         return _wire(cfg, ranks, device, cores)
+    if not cfg.disable_cpu_malloc_tuning and not keep_freed_memory():
+        log.info("the C library is not glibc: its allocator keeps its own settings")
     return _on_loader_thread(lambda: _wire(cfg, ranks, device, cores))
 
 

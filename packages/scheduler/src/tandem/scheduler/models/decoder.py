@@ -163,7 +163,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        inner = F.silu(gate) * up
+        inner = F.silu(gate).mul_(up)
         out = self.down(inner)[0] if self.down is not None else self.down_proj(inner)
         return self.tp.all_reduce(out)
 

@@ -73,7 +73,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     x32 = as_dtype(x, torch.float32)
     swapped = torch.roll(x32, x32.shape[-1] // 2, dims=-1)
-    return as_dtype(x32 * cos + swapped * sin, x.dtype)
+    return as_dtype((x32 * cos).addcmul_(swapped, sin), x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
