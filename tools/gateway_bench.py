@@ -127,6 +127,30 @@ def _gateway_ready(url: str, workers: int) -> bool:
     return response.status_code == 200 and response.json().get("healthy_workers") == workers
 
 
+def serve_command(port: int, *args: str) -> list[str]:
+    """``tandem serve`` on the CPU, on loopback ``port``, with ``args``."""
+    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu"]
+    return [*cmd, "--host", "127.0.0.1", "--port", str(port), *args]
+
+
+def wait_healthy(urls: Sequence[str], processes: Sequence[Started], timeout_s: float) -> None:
+    """Wait for each server of ``processes`` (in order) to answer ``/health`` at its URL."""
+    for url, started in zip(urls, processes, strict=True):
+        _wait_until(f"{started.name} at {url}", lambda u=url: _healthy(u), processes, timeout_s)
+
+
+@contextlib.contextmanager
+def launched(prefix: str, logs: Path | None) -> Iterator[tuple[Path, list[Started]]]:
+    """The folder for the processes' output (``logs``, or a temporary one removed
+    afterwards) and the list to start them into; every one of them is stopped on the
+    way out, in the list's order."""
+    with contextlib.ExitStack() as stack:
+        folder = logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+        processes: list[Started] = []
+        stack.callback(_stop, processes)
+        yield folder, processes
+
+
 def start_gateway(
     routing: Sequence[str],
     workers: int,
@@ -173,19 +197,13 @@ def fleet(
     of each process's output (default: a temporary one, removed afterwards).
     """
     env = dict(os.environ if env is None else env)
-    with contextlib.ExitStack() as stack:
-        folder = logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="smg-")))
-        processes: list[Started] = []
-        stack.callback(_stop, processes)
+    with launched("smg-", logs) as (folder, processes):
         urls = []
         for i in range(workers):
             port = free_port()
-            cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu"]
-            cmd += ["--host", "127.0.0.1", "--port", str(port), *worker_args]
-            processes.append(_start(f"worker{i}", cmd, folder, env))
+            processes.append(_start(f"worker{i}", serve_command(port, *worker_args), folder, env))
             urls.append(f"http://127.0.0.1:{port}")
-        for url, started in zip(urls, processes, strict=True):
-            _wait_until(f"{started.name} at {url}", lambda u=url: _healthy(u), processes, timeout_s)
+        wait_healthy(urls, processes, timeout_s)
         routing = ["--worker-urls", *urls, "--policy", policy]
         url = start_gateway(routing, workers, smg_args, processes, folder, env, timeout_s)
         yield Fleet(url, urls, processes)

@@ -46,12 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_bench import (
     DEFAULT_BENCH,
     Started,
-    _healthy,
     _start,
-    _stop,
-    _wait_until,
     free_port,
+    launched,
+    serve_command,
     start_gateway,
+    wait_healthy,
 )
 
 TRANSFER_BACKENDS = ("mooncake", "torch")  # tandem.scheduler.config.TRANSFER_BACKENDS
@@ -71,11 +71,6 @@ class PDFleet:
     @property
     def worker_urls(self) -> list[str]:
         return [self.prefill_url, self.decode_url]
-
-
-def _serve_cmd(port: int, *args: str) -> list[str]:
-    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu"]
-    return [*cmd, "--host", "127.0.0.1", "--port", str(port), *args]
 
 
 @contextlib.contextmanager
@@ -98,23 +93,20 @@ def pd_fleet(
     process's output (default: a temporary one, removed afterwards).
     """
     env = dict(os.environ if env is None else env)
-    with contextlib.ExitStack() as stack:
-        folder = logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="smg-pd-")))
-        processes: list[Started] = []
-        stack.callback(_stop, processes)
+    with launched("smg-pd-", logs) as (folder, processes):
         bootstrap = free_port()
         prefill_port, decode_port = free_port(), free_port()
         common = ("--disaggregation-transfer-backend", transfer_backend, *worker_args)
-        prefill = _serve_cmd(
+        prefill = serve_command(
             prefill_port, "--disaggregation-mode", "prefill",
             "--disaggregation-bootstrap-port", str(bootstrap), *common, *prefill_args,
         )  # fmt: skip
-        decode = _serve_cmd(decode_port, "--disaggregation-mode", "decode", *common, *decode_args)
+        decode_mode = ("--disaggregation-mode", "decode")
+        decode = serve_command(decode_port, *decode_mode, *common, *decode_args)
         processes.append(_start("prefill", prefill, folder, env))
         processes.append(_start("decode", decode, folder, env))
         urls = [f"http://127.0.0.1:{port}" for port in (prefill_port, decode_port)]
-        for url, started in zip(urls, processes, strict=True):
-            _wait_until(f"{started.name} at {url}", lambda u=url: _healthy(u), processes, timeout_s)
+        wait_healthy(urls, processes, timeout_s)
         routing = ["--pd-disaggregation", "--prefill", urls[0], str(bootstrap)]
         routing += ["--decode", urls[1]]
         url = start_gateway(routing, 2, smg_args, processes, folder, env, timeout_s)
@@ -130,14 +122,11 @@ def plain_server(
 ) -> Iterator[str]:
     """One CPU ``tandem serve`` (no disaggregation) on loopback: its base URL."""
     env = dict(os.environ if env is None else env)
-    with contextlib.ExitStack() as stack:
-        folder = logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="plain-")))
-        processes: list[Started] = []
-        stack.callback(_stop, processes)
+    with launched("plain-", logs) as (folder, processes):
         port = free_port()
-        processes.append(_start("plain", _serve_cmd(port, *worker_args), folder, env))
+        processes.append(_start("plain", serve_command(port, *worker_args), folder, env))
         url = f"http://127.0.0.1:{port}"
-        _wait_until(f"plain at {url}", lambda: _healthy(url), processes, timeout_s)
+        wait_healthy([url], processes, timeout_s)
         yield url
 
 
