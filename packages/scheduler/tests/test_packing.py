@@ -81,22 +81,26 @@ def test_parameters_keep_names_and_shapes_and_write_through() -> None:
     torch.testing.assert_close(after, _logits(_unpacked_copy(model), ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("forward_threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_projections_multiply_by_a_onednn_copy_at_every_batch(dtype: torch.dtype) -> None:
+def test_cpu_projections_multiply_by_a_onednn_copy_at_every_batch(
+    dtype: torch.dtype, forward_threads: int
+) -> None:
     assert onednn_available()  # every CPU build of torch has it
     model = load_model(None, _config(), dtype=dtype, device="cpu", load_format="dummy")
     assert model.config.hidden_size < ONEDNN_MIN_HIDDEN
     assert model.head is None, "a tiny model keeps MKL's products"
-    model.pack(onednn=True)
+    model.pack(onednn=True, forward_threads=forward_threads)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down]
+    packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down, model.head]
     assert all(p is not None and p.onednn is not None for p in packed)
     assert len(model.onednn_weights()) == 4 * len(model.model.layers)
-    assert model.head is not None
-    assert model.head.onednn is not None
+    # A float32 token on a one-thread forward takes MKL's product on the column-major
+    # weight; every other batch takes oneDNN's.
+    single = 1 if dtype == torch.float32 and forward_threads == 1 else 0
+    assert {p.dense_up_to for p in packed if p is not None} == {single}
     plain = _unpacked_copy(model)
-    # One token takes the dense path in float32, more take oneDNN's; both agree with
-    # the unpacked model.
+    # Both paths agree with the unpacked model.
     for n in (1, 2, 9):
         ids = torch.randint(96, (n,), generator=torch.Generator().manual_seed(n))
         tol = 1e-5 if dtype == torch.float32 else 2e-2

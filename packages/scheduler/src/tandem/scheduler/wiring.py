@@ -157,6 +157,7 @@ def _wire(
         load_format=cfg.load_format,
         seed=cfg.random_seed,
         tp=tp,
+        forward_threads=forward_threads,
     )
     layout = KVLayout(local.num_hidden_layers, local.num_key_value_heads, local.head_dim, dtype)
     pages = _num_pages(cfg, layout, device, context_length)

@@ -105,12 +105,13 @@ class Attention(nn.Module):
         self.qkv: PackedLinear | None = None  # set by ``pack``
         self.o: PackedLinear | None = None
 
-    def pack(self, column_major: bool, onednn: bool = False) -> None:
+    def pack(self, column_major: bool, onednn: bool = False, forward_threads: int = 1) -> None:
         """Fuse q/k/v into one projection (see ``models.packing``)."""
         self.qkv = pack_linears((self.q_proj, self.k_proj, self.v_proj), column_major)
         self.o = pack_linears((self.o_proj,), column_major)
         if onednn:
-            self.qkv, self.o = with_onednn(self.qkv), with_onednn(self.o)
+            self.qkv = with_onednn(self.qkv, forward_threads)
+            self.o = with_onednn(self.o, forward_threads)
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.qkv is not None:
@@ -151,12 +152,13 @@ class MLP(nn.Module):
         self.gate_up: PackedLinear | None = None  # set by ``pack``
         self.down: PackedLinear | None = None
 
-    def pack(self, column_major: bool, onednn: bool = False) -> None:
+    def pack(self, column_major: bool, onednn: bool = False, forward_threads: int = 1) -> None:
         """Fuse gate and up into one projection (see ``models.packing``)."""
         self.gate_up = pack_linears((self.gate_proj, self.up_proj), column_major)
         self.down = pack_linears((self.down_proj,), column_major)
         if onednn:
-            self.gate_up, self.down = with_onednn(self.gate_up), with_onednn(self.down)
+            self.gate_up = with_onednn(self.gate_up, forward_threads)
+            self.down = with_onednn(self.down, forward_threads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
@@ -270,28 +272,36 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack(self, column_major: bool | None = None, onednn: bool | None = None) -> None:
+    def pack(
+        self,
+        column_major: bool | None = None,
+        onednn: bool | None = None,
+        forward_threads: int | None = None,
+    ) -> None:
         """Lay the weights out for inference: fused q/k/v and gate/up projections,
         column-major weights (default: on the CPU) and oneDNN copies (default: on the
-        CPU, for a hidden size of at least ``ONEDNN_MIN_HIDDEN``). Call after loading
-        and placing the model (see ``models.packing``); the forward is the same
-        function of the weights either way."""
+        CPU, for a hidden size of at least ``ONEDNN_MIN_HIDDEN``). ``forward_threads``:
+        the intra-op threads the forward will run on (default: the calling thread's),
+        which pick the product for one float32 token (``packing.dense_up_to``). Call
+        after loading and placing the model (see ``models.packing``); the forward is
+        the same function of the weights either way."""
         cpu = self.lm_head.weight.device.type == "cpu"
+        threads = forward_threads or torch.get_num_threads()
         if column_major is None:
             column_major = cpu
         if onednn is None:
             onednn = column_major and self.config.hidden_size >= ONEDNN_MIN_HIDDEN
         onednn = onednn and cpu and onednn_available()
         for layer in self.model.layers:
-            layer.self_attn.pack(column_major, onednn)
-            layer.mlp.pack(column_major, onednn)
+            layer.self_attn.pack(column_major, onednn, threads)
+            layer.mlp.pack(column_major, onednn, threads)
         if column_major and not self.config.tie_word_embeddings:
             make_column_major(self.lm_head)  # a tied head keeps the embedding's rows
         if onednn:
             # Not a view of the parameter: the head is also the embedding when tied,
             # and EAGLE's draft multiplies by ``lm_head`` itself.
             rows = self.lm_head.weight.shape[0]
-            self.head = with_onednn(PackedLinear(self.lm_head.weight, None, (rows,)))
+            self.head = with_onednn(PackedLinear(self.lm_head.weight, None, (rows,)), threads)
 
     def onednn_weights(self) -> tuple[torch.Tensor, ...]:
         """Every weight the forward reads in oneDNN's layout (empty unless packed so)."""

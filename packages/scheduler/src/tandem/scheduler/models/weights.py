@@ -65,6 +65,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TensorParallel = SINGLE,
+    forward_threads: int | None = None,
 ) -> CausalLM:
     """A ``CausalLM`` on ``device`` in ``dtype``, in eval mode, without gradients.
 
@@ -73,6 +74,7 @@ def load_model(
     ``"dummy"`` ignores it and draws weights from ``seed`` (see ``dummy_tensor``).
     ``tp``: build this rank's shard, reading only its slice of each tensor (dummy
     weights are the same values as one rank's, sliced).
+    ``forward_threads``: the CPU forward's intra-op threads (see ``CausalLM.pack``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
@@ -82,7 +84,7 @@ def load_model(
     if load_format == "dummy":
         model = _materialize(model, device)
         _fill_dummy(model, seed, whole, config)
-        return _for_inference(model)
+        return _for_inference(model, forward_threads)
     if model_path is None:
         raise ValueError(f"load_format {load_format!r} needs a model_path")
     files = checkpoint_files(Path(model_path))
@@ -90,7 +92,7 @@ def load_model(
     check_checkpoint(whole, found, config, where=str(model_path))
     model = _materialize(model, device)
     _copy_checkpoint(model, files, config)
-    return _for_inference(model)
+    return _for_inference(model, forward_threads)
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -264,9 +266,9 @@ def _fill_dummy(
         _copy_shard(param, value, name, model.tp, config)
 
 
-def _for_inference(model: CausalLM) -> CausalLM:
+def _for_inference(model: CausalLM, forward_threads: int | None) -> CausalLM:
     """Serving never trains: no autograd bookkeeping even if a caller forgets a no-grad.
     The weights, now loaded and placed, get their inference layout (``CausalLM.pack``)."""
     model.requires_grad_(False)
-    model.pack()
+    model.pack(forward_threads=forward_threads)
     return model.eval()
