@@ -13,16 +13,21 @@ The recipe, start to end:
    is uninstalled; only multimodal models need them.
 2. The checkpoint: ``tools/bench_checkpoint.py`` builds a Llama-shaped folder (``--model``
    ``10m`` or ``100m``) into tandem's cache, once.
-3. For each engine of ``--engines``, in turn: its server on a free loopback port, wait for
-   ``/health`` (at most ``--startup-timeout`` seconds; on failure the error shows the
-   end of the server's log), a warm-up, then ``tandem bench serve`` at each
-   ``--concurrency`` (the same client, workload and seeds for both engines: prompts of
-   ``--input-len`` random token ids sent as ids, ``--output-len`` tokens each, greedy,
-   ``ignore_eos``, ``max(16, 2 x C)`` prompts at concurrency C unless ``--num-prompts``),
-   and the server is stopped with its whole process group, also on failure or Ctrl-C.
+3. Every engine of ``--engines`` gets its server on a free loopback port, all of them up
+   at once (idle, both together take about 1 % of the machine's CPU time), each waited
+   for on ``/health`` (at most ``--startup-timeout`` seconds; on failure the error shows
+   the end of the server's log) and warmed up. Then at each ``--concurrency``,
+   ``--repeats`` rounds of ``tandem bench serve`` against every engine, the order
+   reversed every other round (the same client, workload and seeds for both engines:
+   prompts of ``--input-len`` random token ids sent as ids, ``--output-len`` tokens
+   each, greedy, ``ignore_eos``, ``max(16, 2 x C)`` prompts at concurrency C unless
+   ``--num-prompts``). Alternating spreads the machine's drift (a slow minute, another
+   tenant) over both engines instead of one engine's levels. Each server is stopped
+   with its whole process group, also on failure or Ctrl-C.
 4. One JSON file: the command line, the machine, the versions, each engine's exact server
-   command and environment, and per concurrency each engine's figures and the ratio
-   tandem / vLLM of output throughput. ``docs/hooks/bench_figures.py`` renders it.
+   command and environment, and per concurrency each engine's figures from its median
+   round (by output throughput), every round's output throughput, and the ratio
+   tandem / vLLM of the medians. ``docs/hooks/bench_figures.py`` renders it.
 
     python tools/bench_vllm_cpu.py --model 100m --dtype float32 \\
         --output-json benchmarks/results/cpu/vs-vllm-100m-float32.json
@@ -349,13 +354,9 @@ def bench_serve(
     return dict(json.loads(out.read_text()))
 
 
-def run_engine(
-    args: argparse.Namespace, server: Server, url: str, checkpoint: Path
-) -> dict[int, dict[str, Any]]:
-    figures: dict[int, dict[str, Any]] = {}
-    server.start(url, args.startup_timeout)
-    # Warm-up: one request alone, then the largest batch, short outputs; other seeds than
-    # the timed runs, so no timed prompt is already in a prefix cache.
+def warm_up(args: argparse.Namespace, server: Server, url: str, checkpoint: Path) -> None:
+    """One request alone, then the largest batch, short outputs; other seeds than the
+    timed runs, so no timed prompt is already in a prefix cache."""
     top = max(args.concurrency)
     for concurrency, prompts in ((1, 2), (top, top)):
         bench_serve(
@@ -363,28 +364,71 @@ def run_engine(
             output_len=16, seed=7 + concurrency,
             out=args.work_dir / f"{args.tag}-{server.name}-warmup-c{concurrency}.json",
         )  # fmt: skip
-    for concurrency in args.concurrency:
-        prompts = num_prompts(args, concurrency)
-        log(f"{server.name}: concurrency {concurrency}, {prompts} prompts")
-        raw = bench_serve(
-            args, server.name, url, checkpoint, concurrency=concurrency, prompts=prompts,
-            output_len=args.output_len, seed=1000 + concurrency,
-            out=args.work_dir / f"{args.tag}-{server.name}-c{concurrency}.json",
-        )  # fmt: skip
-        row = {key: raw.get(key) for key in FIGURES}
-        if row["failed"] or row["completed"] != prompts:
-            raise Failure(
-                f"{server.name} at concurrency {concurrency}: {row['failed']} of {prompts} "
-                f"requests failed ({raw.get('errors')}); the end of its log:\n"
-                f"{server.log_tail()}"
-            )
-        log(
-            f"{server.name}: concurrency {concurrency}: {row['output_throughput']:.1f} "
-            f"output tok/s, TPOT p50 {row['median_tpot_ms']:.2f} ms, "
-            f"TTFT p50 {row['median_ttft_ms']:.1f} ms"
+
+
+def timed_run(
+    args: argparse.Namespace,
+    server: Server,
+    url: str,
+    checkpoint: Path,
+    concurrency: int,
+    round_: int,
+) -> dict[str, Any]:
+    """One timed ``bench serve`` run: the figures of ``FIGURES``; a failed request fails
+    the benchmark, with the end of the server's log."""
+    prompts = num_prompts(args, concurrency)
+    raw = bench_serve(
+        args, server.name, url, checkpoint, concurrency=concurrency, prompts=prompts,
+        output_len=args.output_len, seed=1000 + concurrency,
+        out=args.work_dir / f"{args.tag}-{server.name}-c{concurrency}-r{round_}.json",
+    )  # fmt: skip
+    row = {key: raw.get(key) for key in FIGURES}
+    if row["failed"] or row["completed"] != prompts:
+        raise Failure(
+            f"{server.name} at concurrency {concurrency}: {row['failed']} of {prompts} "
+            f"requests failed ({raw.get('errors')}); the end of its log:\n"
+            f"{server.log_tail()}"
         )
-        figures[concurrency] = row
-    return figures
+    log(
+        f"{server.name}: concurrency {concurrency}, round {round_ + 1}: "
+        f"{row['output_throughput']:.1f} output tok/s, TPOT p50 {row['median_tpot_ms']:.2f} "
+        f"ms, TTFT p50 {row['median_ttft_ms']:.1f} ms"
+    )
+    return row
+
+
+def round_order(engines: Sequence[str], round_: int) -> list[str]:
+    """The engines in ``--engines`` order in even rounds, reversed in odd ones."""
+    return list(engines) if round_ % 2 == 0 else list(reversed(engines))
+
+
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output throughput (the lower middle of an even count), with
+    every run's output throughput in run order as ``runs_output_throughput``."""
+    ranked = sorted(runs, key=lambda run: float(run["output_throughput"]))
+    return {
+        **ranked[(len(ranked) - 1) // 2],
+        "runs_output_throughput": [run["output_throughput"] for run in runs],
+    }
+
+
+def run_rounds(
+    args: argparse.Namespace, servers: dict[str, tuple[Server, str]], checkpoint: Path
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """engine -> concurrency -> its median round's figures (see ``median_run``)."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {engine: {} for engine in servers}
+    for concurrency in args.concurrency:
+        log(f"concurrency {concurrency}: {num_prompts(args, concurrency)} prompts, "
+            f"{args.repeats} round(s)")  # fmt: skip
+        for round_ in range(args.repeats):
+            for engine in round_order(list(servers), round_):
+                server, url = servers[engine]
+                row = timed_run(args, server, url, checkpoint, concurrency, round_)
+                runs[engine].setdefault(concurrency, []).append(row)
+    return {
+        engine: {c: median_run(rows) for c, rows in levels.items()}
+        for engine, levels in runs.items()
+    }
 
 
 # -- the record ----------------------------------------------------------------------------------
@@ -480,7 +524,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=int, nargs="+", default=[1, 8, 32, 64], help="(default: 1 8 32 64)"
     )
     parser.add_argument(
-        "--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="run in this order"
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=list(ENGINES),
+        help="started and run in this order (reversed every other round)",
     )
     parser.add_argument("--output-json", type=Path, help="write the record here")
     parser.add_argument(
@@ -508,6 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=128, help="(default: 128)")
     parser.add_argument(
         "--num-prompts", type=int, help="prompts per concurrency level (default: max(16, 2 x C))"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed rounds per concurrency, the engines alternating; each engine's median "
+        "round is kept (default: 3)",
     )
     parser.add_argument(
         "--startup-timeout",
@@ -540,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("argument --concurrency: every level must be at least 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         parser.error("argument --num-prompts: must be at least 1")
+    if args.repeats < 1:
+        parser.error("argument --repeats: must be at least 1")
     venv = args.vllm_venv if args.vllm_venv.is_absolute() else ROOT / args.vllm_venv
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.tag = f"{args.model}-{args.dtype}"
@@ -558,31 +615,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = bench_checkpoint.checkpoint_name(args.model)
     log(f"checkpoint {checkpoint}")
 
-    engines: dict[str, Any] = {}
-    figures: dict[str, dict[int, dict[str, Any]]] = {}
-    for engine in args.engines:
-        port = _free_port()
-        url = f"http://{HOST}:{port}"
-        if engine == "tandem":
-            server = tandem_server(args, checkpoint, port, name)
-        else:
-            assert python is not None
-            server = vllm_server(args, python, checkpoint, port, name)
-        try:
-            figures[engine] = run_engine(args, server, url, checkpoint)
-        except Failure as exc:
-            log(f"FAILED: {exc}")
-            return 1
-        except KeyboardInterrupt:
-            log("interrupted")
-            return 130
-        finally:
+    servers: dict[str, tuple[Server, str]] = {}
+    try:
+        for engine in args.engines:
+            port = _free_port()  # after the previous server bound its own
+            url = f"http://{HOST}:{port}"
+            if engine == "tandem":
+                server = tandem_server(args, checkpoint, port, name)
+            else:
+                assert python is not None
+                server = vllm_server(args, python, checkpoint, port, name)
+            servers[engine] = (server, url)
+            server.start(url, args.startup_timeout)
+            warm_up(args, server, url, checkpoint)
+        figures = run_rounds(args, servers, checkpoint)
+    except Failure as exc:
+        log(f"FAILED: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    finally:
+        for server, _ in servers.values():
             server.stop()
-        engines[engine] = {
+    engines = {
+        engine: {
             "command": portable(server.command, checkpoint, venv),
             "env": server.env,
             "startup_s": round(server.startup_s, 1),
         }
+        for engine, (server, _) in servers.items()
+    }
 
     record = build_record(args, argv, versions, engines, figures)
     text = json.dumps(record, indent=2) + "\n"
@@ -634,6 +697,9 @@ def build_record(
             "output_len": args.output_len,
             "prompts": "random token ids, sent as ids",
             "sampling": "greedy, ignore_eos",
+            "repeats": args.repeats,
+            "order": "engines alternate, reversed every other round; each figure is "
+            "the engine's median round by output throughput",
         },
         "machine": machine(),
         "versions": versions,

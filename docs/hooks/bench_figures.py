@@ -49,7 +49,8 @@ at several concurrencies. Its markers:
 - ``<!-- bench:table SET vs_vllm_cpu -->``: one row per file and concurrency (output
   tokens/s of each engine, their ratio, TPOT and TTFT p50 of each), then per file the
   machine, the versions and the exact commands (the script's and both servers');
-- ``<!-- bench:summary SET vs_vllm_cpu -->``: one bullet per file with the ratios;
+- ``<!-- bench:summary SET vs_vllm_cpu -->``: one bullet per file with the ratios (and,
+  for a file of several alternating rounds, the lowest and highest ratio of one round);
 - ``<!-- bench:plot SET vs_vllm_throughput -->``: output tokens/s against concurrency
   (log2), one line per engine and file.
 
@@ -1017,6 +1018,7 @@ VS_FIGURES = tuple(
     f"{stat}_{what}_ms" for what in ("ttft", "tpot", "itl") for stat in ("mean", "median", "p99")
 )
 VS_RATIO = "tandem_vs_vllm_output_throughput"
+VS_ROUNDS = "runs_output_throughput"
 VS_METRICS = {"vs_vllm_throughput": "output tokens/s against concurrency"}
 
 
@@ -1027,6 +1029,8 @@ class VsVllmRow:
     concurrency: int
     num_prompts: int
     figures: dict[str, dict[str, float | None]]
+    # engine -> every round's output tokens/s in run order (files made with --repeats)
+    rounds: dict[str, list[float]] = field(default_factory=dict)
 
     def get(self, engine: str, key: str) -> float | None:
         return self.figures.get(engine, {}).get(key)
@@ -1036,6 +1040,15 @@ class VsVllmRow:
         tandem = self.get("tandem", "output_throughput")
         vllm = self.get("vllm", "output_throughput")
         return None if tandem is None or vllm is None else tandem / vllm
+
+    @property
+    def round_ratios(self) -> list[float]:
+        """tandem / vLLM of each round (the two runs made back to back), if both have
+        more than one round."""
+        tandem, vllm = self.rounds.get("tandem", []), self.rounds.get("vllm", [])
+        if len(tandem) < 2 or len(tandem) != len(vllm):
+            return []
+        return [t / v for t, v in zip(tandem, vllm, strict=True)]
 
 
 @dataclass
@@ -1067,6 +1080,24 @@ def _strings(check: _Checker, value: Any, where: str) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
         raise check.fail(f"{where!r} must be a non-empty list of strings")
     return value
+
+
+def _vs_rounds(check: _Checker, figures: dict[str, Any], at: str) -> list[float]:
+    """Every round's output tokens/s; the figures shown must be the median round's."""
+    rounds = figures[VS_ROUNDS]
+    if (
+        not isinstance(rounds, list)
+        or not rounds
+        or not all(_check_number(value, False) and value > 0 for value in rounds)
+    ):
+        raise check.fail(f"{at + VS_ROUNDS!r} must be a non-empty list of positive numbers")
+    median = sorted(rounds)[(len(rounds) - 1) // 2]
+    if figures["output_throughput"] != median:
+        raise check.fail(
+            f"{at + 'output_throughput'!r} is {figures['output_throughput']!r}, not the "
+            f"median of its rounds ({median!r})"
+        )
+    return [float(value) for value in rounds]
 
 
 def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
@@ -1122,6 +1153,8 @@ def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
                 "output_throughput": check.number(figures, "output_throughput", at),
                 **{key: check.optional(figures, key, at) for key in VS_FIGURES},
             }
+            if VS_ROUNDS in figures:
+                row.rounds[engine] = _vs_rounds(check, figures, at)
         if row.ratio is not None:
             check.ratio(raw, VS_RATIO, where, row.ratio)
         elif VS_RATIO in raw:
@@ -1212,14 +1245,27 @@ def _vs_summary(results: list[Result]) -> str:
     bullets = []
     for r, v in _vs_results(results):
         ratios = [
-            f"{row.ratio:.2f} at {row.concurrency}" for row in v.rows if row.ratio is not None
+            f"{row.ratio:.2f} at {row.concurrency}{_vs_spread(row)}"
+            for row in v.rows
+            if row.ratio is not None
         ]
         if ratios:
             text = "tandem / vLLM output throughput " + ", ".join(ratios)
+            rounds = max((len(r) for row in v.rows for r in row.rounds.values()), default=1)
+            if rounds > 1:
+                text += (
+                    f" (each engine's median of {rounds} rounds, the engines alternating; "
+                    "in brackets the lowest and highest ratio of one round's pair)"
+                )
         else:
             text = f"{', '.join(VS_ENGINES[e] for e in v.engines)} only, nothing to compare"
         bullets.append(f"- `{r.name}` ({v.label}): {text}.")
     return "\n".join(bullets)
+
+
+def _vs_spread(row: VsVllmRow) -> str:
+    ratios = row.round_ratios
+    return f" [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else ""
 
 
 def _vs_vllm_plot(results: list[Result], set_name: str) -> bytes | None:

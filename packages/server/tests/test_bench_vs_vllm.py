@@ -145,6 +145,7 @@ def _record() -> dict[str, Any]:
         num_prompts=None,
         input_len=96,
         output_len=128,
+        repeats=1,
     )
     engines = {
         "tandem": {"command": ["python", "-m", "tandem.server.cli", "serve"], "env": {}},
@@ -173,6 +174,48 @@ def test_record_holds_the_figures_and_ratios() -> None:
     assert record["machine"]["cores"] >= 1
     assert record["model"]["parameters"] == checkpoint_tool.parameter_count("10m")
     assert "tandem/vllm" in bench_tool.format_table(record)
+
+
+def test_rounds_alternate_the_engines_and_keep_each_ones_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every level runs both engines each round, the order reversed every other round;
+    each engine's figures are its median round's, with every round listed."""
+    speeds = iter([50.0, 40.0, 44.0, 30.0, 60.0, 10.0, 300.0, 200.0, 100.0, 250.0, 280.0, 150.0])
+    calls: list[tuple[str, int, int]] = []
+
+    def timed_run(args: Any, server: Any, url: str, ckpt: Path, c: int, r: int) -> Any:
+        calls.append((server.name, c, r))
+        return {**_figures(next(speeds)), "median_tpot_ms": float(len(calls))}
+
+    monkeypatch.setattr(bench_tool, "timed_run", timed_run)
+    args = argparse.Namespace(concurrency=[1, 8], repeats=3, num_prompts=None)
+    servers = {
+        name: (bench_tool.Server(name, ["true"], {}, Path(name)), "url")
+        for name in ("tandem", "vllm")
+    }
+    figures = bench_tool.run_rounds(args, servers, Path("ckpt"))
+    one_level = ["tandem", "vllm", "vllm", "tandem", "tandem", "vllm"]
+    assert [name for name, _, _ in calls] == one_level * 2
+    assert [(c, r) for _, c, r in calls[:6]] == [(1, 0), (1, 0), (1, 1), (1, 1), (1, 2), (1, 2)]
+    expected = {
+        ("tandem", 1): (50.0, [50.0, 30.0, 60.0], 1.0),
+        ("vllm", 1): (40.0, [40.0, 44.0, 10.0], 2.0),
+        ("tandem", 8): (280.0, [300.0, 250.0, 280.0], 11.0),
+        ("vllm", 8): (150.0, [200.0, 100.0, 150.0], 12.0),
+    }
+    for (engine, c), (median, rounds, call) in expected.items():
+        row = figures[engine][c]
+        assert row["output_throughput"] == median
+        assert row["runs_output_throughput"] == rounds
+        assert row["median_tpot_ms"] == call, "every figure comes from the median round"
+
+
+def test_an_even_number_of_rounds_keeps_the_lower_middle() -> None:
+    runs = [_figures(speed) for speed in (30.0, 10.0, 40.0, 20.0)]
+    assert bench_tool.median_run(runs)["output_throughput"] == 20.0
+    assert bench_tool.median_run(runs[:1])["runs_output_throughput"] == [30.0]
+    assert bench_tool.round_order(["vllm", "tandem"], 3) == ["tandem", "vllm"]
 
 
 def test_recorded_commands_hold_no_path_of_the_machine(small: Path) -> None:
@@ -282,3 +325,34 @@ def test_docs_hook_rejects_a_malformed_file(
     path = _write(tmp_path, _broken(_record(), how))
     with pytest.raises(PluginError, match=message):
         hook._load(path, tmp_path)
+
+
+def _with_rounds(record: dict[str, Any]) -> dict[str, Any]:
+    """``_record`` as ``--repeats 3`` writes it: each engine's median round and all three."""
+    record = copy.deepcopy(record)
+    rounds = [
+        {"tandem": [33.0, 30.0, 25.0], "vllm": [45.0, 40.0, 35.0]},
+        {"tandem": [200.0, 190.0, 210.0], "vllm": [100.0, 95.0, 105.0]},
+    ]
+    for row, by_engine in zip(record["results"], rounds, strict=True):
+        for engine, speeds in by_engine.items():
+            row[engine]["runs_output_throughput"] = speeds
+    return record
+
+
+def test_docs_hook_shows_the_spread_of_the_rounds(hook: ModuleType, tmp_path: Path) -> None:
+    result = hook._load(_write(tmp_path, _with_rounds(_record())), tmp_path)
+    summary = hook._vs_summary([result])
+    assert "0.75 at 1 [0.71-0.75], 2.00 at 8 [2.00-2.00]" in summary
+    assert "median of 3 rounds" in summary
+
+
+def test_docs_hook_rejects_figures_that_are_not_the_median_round(
+    hook: ModuleType, tmp_path: Path
+) -> None:
+    from mkdocs.exceptions import PluginError
+
+    record = _with_rounds(_record())
+    record["results"][0]["tandem"]["runs_output_throughput"] = [31.0, 32.0, 33.0]
+    with pytest.raises(PluginError, match="not the median of its rounds"):
+        hook._load(_write(tmp_path, record), tmp_path)
