@@ -211,6 +211,35 @@ def test_rounds_alternate_the_engines_and_keep_each_ones_median(
         assert row["median_tpot_ms"] == call, "every figure comes from the median round"
 
 
+def test_every_round_sends_new_prompts_and_both_engines_the_same(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A round may not repeat an earlier run's prompts (they would be prefix-cache hits);
+    within a round both engines get the same ones."""
+    seeds: list[tuple[str, int, int]] = []
+
+    def bench_serve(args: Any, engine: str, url: str, ckpt: Path, **kw: Any) -> Any:
+        seeds.append((engine, kw["concurrency"], kw["seed"]))
+        return _figures(10.0)
+
+    monkeypatch.setattr(bench_tool, "bench_serve", bench_serve)
+    args = argparse.Namespace(
+        concurrency=[1, 8], repeats=3, num_prompts=None, output_len=128, tag="t",
+        work_dir=tmp_path,
+    )  # fmt: skip
+    servers = {
+        name: (bench_tool.Server(name, ["true"], {}, Path(name)), "url")
+        for name in ("tandem", "vllm")
+    }
+    bench_tool.run_rounds(args, servers, Path("ckpt"))
+    assert len(seeds) == 12
+    for engine in servers:
+        mine = [seed for e, _, seed in seeds if e == engine]
+        assert len(set(mine)) == 6, "a seed (a prompt set) repeated"
+    by_round = {(c, seed) for _, c, seed in seeds}
+    assert len(by_round) == 6, "the engines of one round got different prompts"
+
+
 def test_an_even_number_of_rounds_keeps_the_lower_middle() -> None:
     runs = [_figures(speed) for speed in (30.0, 10.0, 40.0, 20.0)]
     assert bench_tool.median_run(runs)["output_throughput"] == 20.0
