@@ -474,13 +474,22 @@ def _git(*command: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+def tree_modified() -> bool:
+    """Whether tracked files differ from the commit, results files aside: a file this
+    script wrote a moment ago (the previous model or dtype of a series) changes
+    nothing that runs."""
+    results = ROOT / "benchmarks" / "results"
+    exclude = f":(exclude){results.relative_to(ROOT).as_posix()}"
+    return bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", exclude))
+
+
 def tandem_versions() -> dict[str, Any]:
     import tokenizers
     import torch
 
     return {
         "tandem_commit": _git("rev-parse", "HEAD") or None,
-        "tandem_tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "tandem_tree_modified": tree_modified(),
         "torch": torch.__version__,
         "tokenizers": tokenizers.__version__,
     }

@@ -385,3 +385,29 @@ def test_docs_hook_rejects_figures_that_are_not_the_median_round(
     record["results"][0]["tandem"]["runs_output_throughput"] = [31.0, 32.0, 33.0]
     with pytest.raises(PluginError, match="not the median of its rounds"):
         hook._load(_write(tmp_path, record), tmp_path)
+
+
+def test_a_results_file_does_not_count_as_a_local_change(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The previous file of a series (written by this script) leaves the tree clean;
+    a change to anything else that is tracked does not."""
+    results = tmp_path / "benchmarks" / "results" / "cpu"
+    results.mkdir(parents=True)
+    (results / "vs-vllm-10m-float32.json").write_text("{}\n")
+    (tmp_path / "engine.py").write_text("x = 1\n")
+
+    def git(*command: str) -> None:
+        identity = ("-c", "user.name=t", "-c", "user.email=t@example.com")
+        subprocess.run(["git", *identity, *command], cwd=tmp_path, check=True,
+                       capture_output=True)  # fmt: skip
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    monkeypatch.setattr(bench_tool, "ROOT", tmp_path)
+    assert not bench_tool.tree_modified()
+    (results / "vs-vllm-10m-float32.json").write_text('{"new": 1}\n')
+    assert not bench_tool.tree_modified()
+    (tmp_path / "engine.py").write_text("x = 2\n")
+    assert bench_tool.tree_modified()
