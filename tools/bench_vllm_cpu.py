@@ -60,6 +60,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_checkpoint  # the sibling script
 
+from tandem.server.bench import median_run
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARK_ID = "vs_vllm_cpu"  # how docs/hooks/bench_figures.py recognises these files
 SCHEMA_VERSION = 1
@@ -409,20 +411,12 @@ def round_order(engines: Sequence[str], round_: int) -> list[str]:
     return list(engines) if round_ % 2 == 0 else list(reversed(engines))
 
 
-def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median output throughput (the lower middle of an even count), with
-    every run's output throughput in run order as ``runs_output_throughput``."""
-    ranked = sorted(runs, key=lambda run: float(run["output_throughput"]))
-    return {
-        **ranked[(len(ranked) - 1) // 2],
-        "runs_output_throughput": [run["output_throughput"] for run in runs],
-    }
-
-
 def run_rounds(
     args: argparse.Namespace, servers: dict[str, tuple[Server, str]], checkpoint: Path
 ) -> dict[str, dict[int, dict[str, Any]]]:
-    """engine -> concurrency -> its median round's figures (see ``median_run``)."""
+    """engine -> concurrency -> its median round's figures, every round's output
+    throughput in run order as ``output_throughput_runs`` (``bench.median_run``, as
+    ``tandem bench --repeats`` reports)."""
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {engine: {} for engine in servers}
     for concurrency in args.concurrency:
         log(f"concurrency {concurrency}: {num_prompts(args, concurrency)} prompts, "

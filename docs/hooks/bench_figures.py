@@ -1018,7 +1018,7 @@ VS_FIGURES = tuple(
     f"{stat}_{what}_ms" for what in ("ttft", "tpot", "itl") for stat in ("mean", "median", "p99")
 )
 VS_RATIO = "tandem_vs_vllm_output_throughput"
-VS_ROUNDS = "runs_output_throughput"
+VS_ROUNDS = "output_throughput_runs"
 VS_METRICS = {"vs_vllm_throughput": "output tokens/s against concurrency"}
 
 

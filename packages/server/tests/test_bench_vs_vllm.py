@@ -207,7 +207,7 @@ def test_rounds_alternate_the_engines_and_keep_each_ones_median(
     for (engine, c), (median, rounds, call) in expected.items():
         row = figures[engine][c]
         assert row["output_throughput"] == median
-        assert row["runs_output_throughput"] == rounds
+        assert row["output_throughput_runs"] == rounds
         assert row["median_tpot_ms"] == call, "every figure comes from the median round"
 
 
@@ -243,7 +243,7 @@ def test_every_round_sends_new_prompts_and_both_engines_the_same(
 def test_an_even_number_of_rounds_keeps_the_lower_middle() -> None:
     runs = [_figures(speed) for speed in (30.0, 10.0, 40.0, 20.0)]
     assert bench_tool.median_run(runs)["output_throughput"] == 20.0
-    assert bench_tool.median_run(runs[:1])["runs_output_throughput"] == [30.0]
+    assert bench_tool.median_run(runs[:1])["output_throughput_runs"] == [30.0]
     assert bench_tool.round_order(["vllm", "tandem"], 3) == ["tandem", "vllm"]
 
 
@@ -365,7 +365,7 @@ def _with_rounds(record: dict[str, Any]) -> dict[str, Any]:
     ]
     for row, by_engine in zip(record["results"], rounds, strict=True):
         for engine, speeds in by_engine.items():
-            row[engine]["runs_output_throughput"] = speeds
+            row[engine]["output_throughput_runs"] = speeds
     return record
 
 
@@ -382,7 +382,7 @@ def test_docs_hook_rejects_figures_that_are_not_the_median_round(
     from mkdocs.exceptions import PluginError
 
     record = _with_rounds(_record())
-    record["results"][0]["tandem"]["runs_output_throughput"] = [31.0, 32.0, 33.0]
+    record["results"][0]["tandem"]["output_throughput_runs"] = [31.0, 32.0, 33.0]
     with pytest.raises(PluginError, match="not the median of its rounds"):
         hook._load(_write(tmp_path, record), tmp_path)
 

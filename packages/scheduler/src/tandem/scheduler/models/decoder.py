@@ -105,7 +105,7 @@ class Attention(nn.Module):
         self.qkv: PackedLinear | None = None  # set by ``pack``
         self.o: PackedLinear | None = None
 
-    def pack(self, column_major: bool, onednn: bool = False, forward_threads: int = 1) -> None:
+    def pack(self, column_major: bool, onednn: bool, forward_threads: int) -> None:
         """Fuse q/k/v into one projection (see ``models.packing``)."""
         self.qkv = pack_linears((self.q_proj, self.k_proj, self.v_proj), column_major)
         self.o = pack_linears((self.o_proj,), column_major)
@@ -152,7 +152,7 @@ class MLP(nn.Module):
         self.gate_up: PackedLinear | None = None  # set by ``pack``
         self.down: PackedLinear | None = None
 
-    def pack(self, column_major: bool, onednn: bool = False, forward_threads: int = 1) -> None:
+    def pack(self, column_major: bool, onednn: bool, forward_threads: int) -> None:
         """Fuse gate and up into one projection (see ``models.packing``)."""
         self.gate_up = pack_linears((self.gate_proj, self.up_proj), column_major)
         self.down = pack_linears((self.down_proj,), column_major)
