@@ -17,6 +17,7 @@ from tandem.scheduler.models import (
     SUPPORTED_ARCHITECTURES,
     CausalLM,
     ModelConfig,
+    decoder,
     load_model,
     resolve_dtype,
 )
@@ -100,6 +101,33 @@ def test_logits_match_transformers_with_llama_biases(tmp_path: Path) -> None:
     assert config.attention_out_bias
     assert config.mlp_bias
     _assert_parity(path, seed=8)
+
+
+def test_logits_match_transformers_with_the_feed_forward_in_row_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long CPU batch's feed-forward runs in row blocks (``decoder.MLP_BLOCK_BYTES``);
+    blocks of 9 rows, the last one short, give the same logits."""
+    path = ref.make_llama(tmp_path, seed=11, kv_ratio=2)
+    model = _load(path)
+    inner = model.config.intermediate_size
+    monkeypatch.setattr(decoder, "MLP_BLOCK_BYTES", 9 * 2 * inner * 4)
+    blocks: list[int] = []
+    local = decoder.MLP._local
+
+    def counted(self: decoder.MLP, x: torch.Tensor) -> torch.Tensor:
+        blocks.append(x.shape[0])
+        return local(self, x)
+
+    monkeypatch.setattr(decoder.MLP, "_local", counted)
+    prompts = _prompts(model.config.vocab_size, seed=11)
+    ours, theirs = _tandem_logits(model, prompts), _reference_logits(path, prompts)
+    tokens = sum(PROMPT_LENS)
+    assert tokens % 9 != 0
+    per_layer = blocks[: -(-tokens // 9)]
+    assert per_layer == [9] * (tokens // 9) + [tokens % 9], per_layer
+    assert len(blocks) == len(per_layer) * model.config.num_hidden_layers
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
 
 
 def test_sharded_checkpoint_loads_every_tensor(tmp_path: Path) -> None:

@@ -161,13 +161,38 @@ class MLP(nn.Module):
             self.down = with_onednn(self.down, forward_threads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _mlp_block_rows(x, self.gate_proj.out_features)
+        if x.shape[0] > rows:
+            out = torch.cat([self._local(block) for block in x.split(rows)])
+        else:
+            out = self._local(x)
+        return self.tp.all_reduce(out)
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums for the tokens ``x``."""
         if self.gate_up is not None:
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         inner = F.silu(gate).mul_(up)
-        out = self.down(inner)[0] if self.down is not None else self.down_proj(inner)
-        return self.tp.all_reduce(out)
+        return self.down(inner)[0] if self.down is not None else self.down_proj(inner)
+
+
+MLP_BLOCK_BYTES = 8 << 20
+"""On the CPU, the feed-forward of a long batch runs in row blocks whose gate/up output
+is at most this large. Each block's output then stays in the cache while the activation
+and the down projection read it, instead of streaming from memory. Measured on a 2-core
+AVX-512 CPU (32 MB L3), a ~100M model's feed-forward (hidden 768, intermediate 2048)
+for 6144 tokens: bfloat16 147 -> 137 ms, float32 301 -> 268 ms per layer; blocks of
+512 to 1536 rows time the same, 2048 rows of float32 (32 MB) lose most of the gain."""
+
+
+def _mlp_block_rows(x: torch.Tensor, inner: int) -> int:
+    """Rows per feed-forward block for ``x`` (see ``MLP_BLOCK_BYTES``); every row at
+    once off the CPU."""
+    if x.device.type != "cpu":
+        return x.shape[0]
+    return max(1, MLP_BLOCK_BYTES // (2 * inner * x.element_size()))
 
 
 class DecoderLayer(nn.Module):
