@@ -75,7 +75,7 @@ def test_staged_tokens_equal_gathered_tokens(
 
 
 def test_only_the_stage_rows_in_order_one_token_longer_continue() -> None:
-    stage = DecodeStage(rows=[3, 5, 8], seq_lens=[10, 20, 30], capacity=capacity_for(30))
+    stage = DecodeStage(rows=[3, 5, 8], seq_lens=[10, 20, 30], capacity=capacity_for(30, False))
     assert stage.capacity == 192
     assert stage.continues([3, 5, 8], [11, 21, 31])
     assert stage.continues([3, 8], [11, 31])  # 5 left the batch
@@ -87,6 +87,12 @@ def test_only_the_stage_rows_in_order_one_token_longer_continue() -> None:
     assert not stage.continues([3, 5, 8], [10, 20, 30])
     assert not stage.continues([], [])
     assert not DecodeStage([3], [191], 192).continues([3], [193])  # past the capacity
+
+
+def test_a_stage_attended_whole_keeps_less_room() -> None:
+    # Cut stages keep 128 keys of room, rounded up to 64; whole ones 32.
+    assert [capacity_for(n, False) for n in (1, 64, 97, 128)] == [192, 192, 256, 256]
+    assert [capacity_for(n, True) for n in (1, 32, 33, 97, 193)] == [64, 64, 128, 192, 256]
 
 
 def test_advance_indexes_each_requests_new_key_per_head() -> None:
