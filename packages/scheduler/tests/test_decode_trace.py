@@ -125,12 +125,12 @@ def test_the_trace_is_off_when_disabled() -> None:
 
 def test_staged_decode_round_trips_through_its_tensors() -> None:
     t = [torch.full((1,), float(i)) for i in range(3 + 4 * 2)]
-    staged = StagedDecode.from_tensors(tuple(t), num_layers=2)
+    staged = StagedDecode.from_tensors(tuple(t), num_layers=2, kernel=False)
     assert staged.k_cache == (t[3], t[4])
     assert staged.v_stage == (t[9], t[10])
     assert all(a is b for a, b in zip(staged.tensors(), t, strict=True))
     with pytest.raises(ValueError, match="not a 3-layer StagedDecode"):
-        StagedDecode.from_tensors(tuple(t), num_layers=3)
+        StagedDecode.from_tensors(tuple(t), num_layers=3, kernel=False)
 
 
 def test_a_torch_that_cannot_record_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -78,6 +78,9 @@ class EngineConfig:
             By default a CPU engine raises glibc's mmap and trim thresholds for its
             process, so the memory a forward frees is reused by the next step instead
             of being returned to the kernel and faulted in again (``cpu_malloc``).
+        disable_cpu_decode_kernel: keep SDPA for float32 CPU decode attention instead of
+            tandem's C++ decode kernel (``attention.cpu_kernel``), which a float32 CPU
+            engine builds on its first start when a C++ compiler is on ``PATH``.
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
             the ``torch`` backend's decode stage, without speculative decoding).
@@ -156,6 +159,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     cpu_forward_threads: int | None = None
     disable_cpu_malloc_tuning: bool = False
+    disable_cpu_decode_kernel: bool = False
     disable_decode_trace: bool = False
     skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None

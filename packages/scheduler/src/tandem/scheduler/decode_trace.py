@@ -44,10 +44,11 @@ class _StagedForward(nn.Module):
     """The module that is traced: the decoder over a ``StagedDecode`` given as tensors.
     It holds the model's own decoder, so the trace shares its parameters."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, kernel: bool) -> None:
         super().__init__()
         self.decoder = model.model
         self.num_layers = model.config.num_hidden_layers
+        self.kernel = kernel  # the attention's decode_kernel
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, *tensors: torch.Tensor
@@ -58,7 +59,9 @@ class _StagedForward(nn.Module):
         the layers read themselves: a trace cannot hold them as constants, so they
         enter as inputs (the tracer knows them by identity)."""
         staged = tensors[: StagedDecode.count(self.num_layers)]
-        attention = _StagedAttention(StagedDecode.from_tensors(staged, self.num_layers))
+        attention = _StagedAttention(
+            StagedDecode.from_tensors(staged, self.num_layers, self.kernel)
+        )
         hidden, _ = self.decoder(input_ids, positions, attention)
         return (hidden, input_ids, positions, *tensors)
 
@@ -68,7 +71,7 @@ class DecodeTrace:
     the model's forward. Used on the forward stream only (by ``cpu_step.CpuStep``)."""
 
     def __init__(self, model: CausalLM, attention: TorchAttention) -> None:
-        self._module = _StagedForward(model)
+        self._module = _StagedForward(model, attention.decode_kernel)
         self._weights = model.onednn_weights()
         self._attention = attention
         self._traced: torch.jit.ScriptModule | None = None

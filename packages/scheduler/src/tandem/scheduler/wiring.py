@@ -27,12 +27,13 @@ from tandem.scheduler.attention import (
     create_attention_backend,
     default_backend,
 )
+from tandem.scheduler.attention.cpu_kernel import load_decode_kernel
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cpu_malloc import keep_freed_memory
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
-from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.default_model import cache_root, default_model_path
 from tandem.scheduler.distributed import RankGroup, StepRelay, per_node, rank_device
 from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.model_runner import ModelRunner
@@ -174,6 +175,7 @@ def _wire(
     attention = create_attention_backend(
         backend, kv_pool, req_pool.req_to_token, device, heads,
         debug=debug, triton_interpret=read_env().triton_interpret,
+        decode_kernel=_decode_kernel(cfg, backend, device, dtype),
     )  # fmt: skip
     sampler = Sampler(seed=cfg.random_seed)
     future_map = FutureMap(
@@ -295,6 +297,17 @@ def _forward_stream(cfg: EngineConfig, device: torch.device, threads: int | None
     if threads is not None:
         stream.submit(torch.set_num_threads, threads).result()
     return stream
+
+
+def _decode_kernel(
+    cfg: EngineConfig, backend: str, device: torch.device, dtype: torch.dtype
+) -> bool:
+    """Whether float32 CPU decode attention runs tandem's C++ kernel: loaded (built on
+    the first start on this machine) unless ``disable_cpu_decode_kernel``; only the
+    ``torch`` backend on the CPU in float32 uses it."""
+    if cfg.disable_cpu_decode_kernel or backend != "torch" or device.type != "cpu":
+        return False
+    return dtype == torch.float32 and load_decode_kernel(cache_root() / "kernels")
 
 
 def _decode_trace(

@@ -48,16 +48,21 @@ def create_attention_backend(
     heads: HeadShape,
     debug: bool = False,
     triton_interpret: bool | None = None,
+    decode_kernel: bool = False,
 ) -> AttentionBackend:
     """Build the backend called ``name``; an unknown name, a device the backend does
     not support or a missing package is a ``ValueError`` naming it. ``debug`` turns on
     the backend's debug invariants (the ``torch`` backend's decode-stage check).
     ``triton_interpret``: Triton runs in its interpreter, which lets ``triton`` run on
-    a CPU; ``None`` reads ``TRITON_INTERPRET`` (``read_env``)."""
+    a CPU; ``None`` reads ``TRITON_INTERPRET`` (``read_env``). ``decode_kernel``: the
+    ``torch`` backend attends float32 CPU decode steps with
+    ``torch.ops.tandem.decode_attention`` (``attention.cpu_kernel``, loaded already)."""
     if name == "torch":
         from tandem.scheduler.attention.torch_backend import TorchAttention
 
-        return TorchAttention(kv_cache, req_to_token, check_stage=debug)
+        return TorchAttention(
+            kv_cache, req_to_token, check_stage=debug, decode_kernel=decode_kernel
+        )
     if name == "triton":
         if triton_interpret is None:
             triton_interpret = read_env().triton_interpret
