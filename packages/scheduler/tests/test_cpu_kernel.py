@@ -65,6 +65,14 @@ def test_kernel_equals_float64_attention(kernel_dir: Path, dim: int, group: int)
     assert (out.double() - _reference(q, k, v, bias)).abs().max().item() < 2e-6
 
 
+def test_a_request_with_every_key_masked_gets_zeros(kernel_dir: Path) -> None:
+    k = torch.randn(2, 1, 5, 16)
+    bias = _bias([3, 0], 5)
+    out = torch.ops.tandem.decode_attention(torch.randn(2, 2, 16), k, k, bias, 0.25)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1], torch.zeros(2 * 16))
+
+
 def test_kernel_reads_the_gathered_pages_strides(kernel_dir: Path) -> None:
     # The step that starts no stage attends its gathered pages, [B, L, Hkv, D] seen
     # as [B, Hkv, L, D]; and a query that is a view of a fused projection.

@@ -113,7 +113,7 @@ void attend(const Pair& p, int64_t key_stride, int64_t dim_arg, int64_t groups, 
       sg[i] = e;
       sum += e;
     }
-    inv[g] = 1.f / sum;
+    inv[g] = sum > 0.f ? 1.f / sum : 0.f;
   }
   for (int64_t i = 0; i < groups * dim; ++i) acc[i] = 0.f;
   j = 0;
@@ -172,11 +172,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 // q [B, H, D]; keys and values [B, Hkv, L, D], any strides but a contiguous last
 // dimension, the same for both; bias [B, 1, 1, L], 0 where a query attends a key and
-// -inf elsewhere (every request attends at least one key). Returns [B, H * D].
-// q [B, H, D]; keys and values [B, Hkv, L, D], any strides but a contiguous last
-// dimension, the same for both; bias [B, 1, 1, L], 0 where a query attends a key and
-// -inf elsewhere (every request attends at least one key); all float32.
-// Returns [B, H * D].
+// -inf elsewhere; all float32. Returns [B, H * D]. A decode query attends at least its
+// own key; a request whose every key is masked gets zeros (SDPA would give NaN).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
                             const at::Tensor& values, const at::Tensor& bias, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
