@@ -2,7 +2,7 @@
 //
 // Built on first use by tandem/scheduler/attention/cpu_kernel.py and registered as
 // torch.ops.tandem.decode_attention; see docs/guides/adding-an-attention-backend.md,
-// "The CPU decode kernel".
+// "The two backends", its bullet "The CPU decode kernel".
 //
 // Each (request, KV head) pair is one task of at::parallel_for, the forward's intra-op
 // threads: its G query heads are scored against each key as the key is read, so a
@@ -59,7 +59,8 @@ struct Pair {
 // One (request, KV head) pair. kDim > 0: the head size known when compiling (the inner
 // loops unroll); 0: `dim` at run time. Keys go four at a time: four independent sums
 // per query head keep the vector units busy where one sum would wait on its own
-// additions. `acc` holds G * D floats.
+// additions. `acc` holds G * D + G floats (the weighted values, then each head's
+// 1 / sum); `scores` G * length.
 template <int64_t kDim>
 void attend(const Pair& p, int64_t key_stride, int64_t dim_arg, int64_t groups, int64_t length,
             float scale, float* scores, float* acc) {
@@ -100,7 +101,7 @@ void attend(const Pair& p, int64_t key_stride, int64_t dim_arg, int64_t groups, 
       scores[g * length + j] = s * scale + p.bias[j];
     }
   }
-  std::vector<float> inv(groups);
+  float* inv = acc + groups * dim;
   for (int64_t g = 0; g < groups; ++g) {
     float* sg = scores + g * length;
     float top = kNegInf;
@@ -158,14 +159,16 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const float* vp = v.data_ptr<float>();
   const float* bp = bias.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // K and V share their strides (checked by decode_attention).
+  const int64_t request_stride = k.stride(0), head_stride = k.stride(1), key_stride = k.stride(2);
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * length), acc(groups * dim);
+    std::vector<float> scores(groups * length), acc(groups * dim + groups);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / kv_heads, h = i % kv_heads;
       const int64_t first = (r * kv_heads + h) * groups * dim;
-      const Pair pair{qp + first, kp + r * k.stride(0) + h * k.stride(1),
-                      vp + r * v.stride(0) + h * v.stride(1), bp + r * length, op + first};
-      attend<kDim>(pair, k.stride(2), dim, groups, length, scale, scores.data(), acc.data());
+      const int64_t at = r * request_stride + h * head_stride;
+      const Pair pair{qp + first, kp + at, vp + at, bp + r * length, op + first};
+      attend<kDim>(pair, key_stride, dim, groups, length, scale, scores.data(), acc.data());
     }
   });
 }

@@ -5,7 +5,7 @@ on a machine, with the C++ compiler found on ``PATH`` against the running torch'
 headers and libraries, into ``<cache>/kernels/`` (the cache of the embedded default
 model), and loaded as ``torch.ops.tandem.decode_attention``. Later starts load the
 built library. A machine without a compiler, or a build that fails, keeps SDPA, with a
-warning. See docs/guides/adding-an-attention-backend.md, "The CPU decode kernel".
+warning. See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
 from __future__ import annotations
