@@ -27,7 +27,7 @@ def kernel_dir() -> Path:
     """Where engines keep the kernel: one registration per process, so this module
     loads the build the engines (in this process or another) load."""
     path = cache_root() / "kernels"
-    assert cpu_kernel.load_decode_kernel(path)
+    assert cpu_kernel.load_cpu_kernels(path)
     return path
 
 
@@ -124,7 +124,7 @@ def test_a_build_is_kept_and_loaded_again(
     stamp = built.stat().st_mtime_ns
     monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)  # as a new process would
     monkeypatch.setattr(cpu_kernel, "_build", lambda *args: pytest.fail("built again"))
-    assert cpu_kernel.load_decode_kernel(kernel_dir)
+    assert cpu_kernel.load_cpu_kernels(kernel_dir)
     assert built.stat().st_mtime_ns == stamp
     # Another source, torch, compiler or flag set is another file.
     assert cpu_kernel.library_path(kernel_dir, compiler, [*cpu_kernel._flags(), "-g"]) != built
@@ -136,13 +136,13 @@ def test_without_a_compiler_or_with_a_failing_one_sdpa_stays(
     monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)
     monkeypatch.setattr(cpu_kernel, "COMPILERS", ("tandem-no-such-compiler",))
     with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
-        assert not cpu_kernel.load_decode_kernel(tmp_path)
+        assert not cpu_kernel.load_cpu_kernels(tmp_path)
     assert "no C++ compiler" in caplog.text
     monkeypatch.setattr(cpu_kernel, "COMPILERS", ("false",))  # exits 1, builds nothing
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
-        assert not cpu_kernel.load_decode_kernel(tmp_path)
-    assert "CPU decode kernel not built" in caplog.text
+        assert not cpu_kernel.load_cpu_kernels(tmp_path)
+    assert "CPU kernels not built" in caplog.text
     assert not list(tmp_path.glob("*.so"))
 
 
@@ -154,7 +154,7 @@ def test_a_build_that_times_out_is_a_fallback(
 
     monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)
     monkeypatch.setattr(cpu_kernel.subprocess, "run", slow)
-    assert not cpu_kernel.load_decode_kernel(tmp_path)
+    assert not cpu_kernel.load_cpu_kernels(tmp_path)
 
 
 INPUTS = [[(13 * i + 7 * j) % 250 + 4 for j in range(5 + 11 * i)] for i in range(6)]
@@ -191,7 +191,7 @@ def test_engine_tokens_with_the_kernel_equal_tokens_with_sdpa(overlap: bool) -> 
     assert [len(ids) for ids in with_kernel] == MAX_NEW
 
 
-def test_bfloat16_engines_build_no_kernel() -> None:
+def test_bfloat16_engines_attend_without_the_kernel() -> None:
     engine = Engine(device="cpu", dtype="bfloat16", skip_tokenizer_init=True)
     try:
         assert not engine.scheduler.runner.attention.decode_kernel

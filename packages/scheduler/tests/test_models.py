@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tandem.scheduler.attention.cpu_kernel import load_cpu_kernels
+from tandem.scheduler.default_model import cache_root
 from tandem.scheduler.models import (
     SUPPORTED_ARCHITECTURES,
     CausalLM,
@@ -69,8 +71,10 @@ def _load(path: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
     return load_model(path, ModelConfig.from_pretrained(path), dtype=dtype, device="cpu")
 
 
-def _assert_parity(path: Path, seed: int) -> None:
+def _assert_parity(path: Path, seed: int, fused: bool = False) -> None:
     model = _load(path)
+    if fused:
+        model.use_fused_cpu_ops()
     prompts = _prompts(model.config.vocab_size, seed)
     ours, theirs = _tandem_logits(model, prompts), _reference_logits(path, prompts)
     assert ours.dtype == torch.float32
@@ -85,6 +89,16 @@ def test_logits_match_transformers(tmp_path: Path, family: str, kv_ratio: int) -
     seed = 1000 + 10 * ref.FAMILIES.index(family) + kv_ratio
     path = ref.make_family(family, tmp_path, seed=seed, kv_ratio=kv_ratio)
     _assert_parity(path, seed)
+
+
+@pytest.mark.parametrize("family", ref.FAMILIES)
+def test_logits_match_transformers_with_the_fused_cpu_ops(tmp_path: Path, family: str) -> None:
+    """The model's RMSNorm (q/k norms included), SiLU-and-multiply and rotary embedding
+    run by tandem's fused CPU ops (``models/cpu_fused.cpp``)."""
+    assert load_cpu_kernels(cache_root() / "kernels")
+    seed = 2000 + ref.FAMILIES.index(family)
+    path = ref.make_family(family, tmp_path, seed=seed, kv_ratio=2)
+    _assert_parity(path, seed, fused=True)
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3"])

@@ -81,6 +81,9 @@ class EngineConfig:
         disable_cpu_decode_kernel: keep SDPA for float32 CPU decode attention instead of
             tandem's C++ decode kernel (``attention.cpu_kernel``), which a float32 CPU
             engine builds on its first start when a C++ compiler is on ``PATH``.
+        disable_cpu_fused_ops: keep the torch formulas for a CPU model's RMSNorm,
+            SiLU-and-multiply and rotary embedding instead of tandem's fused C++ ops
+            (built with the decode kernel; float32 and bfloat16).
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
             the ``torch`` backend's decode stage, without speculative decoding).
@@ -160,6 +163,7 @@ class EngineConfig:
     cpu_forward_threads: int | None = None
     disable_cpu_malloc_tuning: bool = False
     disable_cpu_decode_kernel: bool = False
+    disable_cpu_fused_ops: bool = False
     disable_decode_trace: bool = False
     skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None

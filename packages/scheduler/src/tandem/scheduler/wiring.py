@@ -27,7 +27,7 @@ from tandem.scheduler.attention import (
     create_attention_backend,
     default_backend,
 )
-from tandem.scheduler.attention.cpu_kernel import load_decode_kernel
+from tandem.scheduler.attention.cpu_kernel import load_cpu_kernels
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cpu_malloc import keep_freed_memory
@@ -172,10 +172,13 @@ def _wire(
         local.num_attention_heads, local.num_key_value_heads, mc.head_dim, mc.head_dim**-0.5, dtype
     )
     backend = cfg.attention_backend or default_backend(device)
+    decode_kernel, fused_ops = _cpu_kernels(cfg, backend, device, dtype)
+    if fused_ops:
+        model.use_fused_cpu_ops()
     attention = create_attention_backend(
         backend, kv_pool, req_pool.req_to_token, device, heads,
         debug=debug, triton_interpret=read_env().triton_interpret,
-        decode_kernel=_decode_kernel(cfg, backend, device, dtype),
+        decode_kernel=decode_kernel,
     )  # fmt: skip
     sampler = Sampler(seed=cfg.random_seed)
     future_map = FutureMap(
@@ -299,15 +302,21 @@ def _forward_stream(cfg: EngineConfig, device: torch.device, threads: int | None
     return stream
 
 
-def _decode_kernel(
+def _cpu_kernels(
     cfg: EngineConfig, backend: str, device: torch.device, dtype: torch.dtype
-) -> bool:
-    """Whether float32 CPU decode attention runs tandem's C++ kernel: loaded (built on
-    the first start on this machine) unless ``disable_cpu_decode_kernel``; only the
-    ``torch`` backend on the CPU in float32 uses it."""
-    if cfg.disable_cpu_decode_kernel or backend != "torch" or device.type != "cpu":
-        return False
-    return dtype == torch.float32 and load_decode_kernel(cache_root() / "kernels")
+) -> tuple[bool, bool]:
+    """Which of tandem's C++ CPU kernels (``attention.cpu_kernel``, built on the first
+    start on a machine) the forward uses: the decode attention (float32, the ``torch``
+    backend) unless ``disable_cpu_decode_kernel``, and the model's fused element-wise
+    ops (float32 or bfloat16) unless ``disable_cpu_fused_ops``. Neither off the CPU,
+    nor where the kernels cannot be built."""
+    if device.type != "cpu":
+        return False, False
+    decode = not cfg.disable_cpu_decode_kernel and backend == "torch" and dtype == torch.float32
+    fused = not cfg.disable_cpu_fused_ops and dtype in (torch.float32, torch.bfloat16)
+    if not (decode or fused) or not load_cpu_kernels(cache_root() / "kernels"):
+        return False, False
+    return decode, fused
 
 
 def _decode_trace(

@@ -1,11 +1,14 @@
-"""The CPU decode kernel: tandem's own C++ op for float32 decode attention.
+"""tandem's CPU kernels: its own C++ ops, built on a machine's first CPU start.
 
-``cpu_decode.cpp``, beside this file, is compiled the first time a CPU engine starts
-on a machine, with the C++ compiler found on ``PATH`` against the running torch's
-headers and libraries, into ``<cache>/kernels/`` (the cache of the embedded default
-model), and loaded as ``torch.ops.tandem.decode_attention``. Later starts load the
-built library. A machine without a compiler, or a build that fails, keeps SDPA, with a
-warning. See docs/guides/adding-an-attention-backend.md, "The two backends".
+Two sources make one library: ``cpu_decode.cpp``, beside this file, the float32 decode
+attention (``torch.ops.tandem.decode_attention``), and ``models/cpu_fused.cpp``, the
+fused element-wise ops of the model (``torch.ops.tandem.rms_norm``, ``silu_mul`` and
+``rotary``). They are compiled the first time a CPU engine starts on a machine, with
+the C++ compiler found on ``PATH`` against the running torch's headers and libraries,
+into ``<cache>/kernels/`` (the cache of the embedded default model), and loaded into
+the process. Later starts load the built library. A machine without a compiler, or a
+build that fails, keeps the torch formulas (SDPA, the model's element-wise code), with
+a warning. See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
 from __future__ import annotations
@@ -24,26 +27,29 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCES = (
+    Path(__file__).with_name("cpu_decode.cpp"),
+    Path(__file__).parent.parent / "models" / "cpu_fused.cpp",
+)
 COMPILERS = ("c++", "g++", "clang++")
 BUILD_TIMEOUT_S = 600
 
 
 def loaded() -> bool:
-    """Whether ``torch.ops.tandem.decode_attention`` is registered in this process."""
+    """Whether tandem's CPU kernels are registered in this process."""
     return hasattr(torch.ops.tandem, "decode_attention")
 
 
-def load_decode_kernel(cache_dir: Path) -> bool:
-    """Register ``torch.ops.tandem.decode_attention``, building it into ``cache_dir``
-    first unless it is built already; False (and a warning) when this machine cannot
-    build it. Processes that build at once take turns (a file lock): one compiles, the
+def load_cpu_kernels(cache_dir: Path) -> bool:
+    """Register tandem's CPU kernels, building them into ``cache_dir`` first unless
+    they are built already; False (and a warning) when this machine cannot build
+    them. Processes that build at once take turns (a file lock): one compiles, the
     others load its library."""
     if loaded():
         return True
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C++ compiler on PATH: CPU decode attention runs SDPA")
+        log.warning("no C++ compiler on PATH: the CPU forward keeps torch's kernels")
         return False
     flags = _flags()
     library = library_path(cache_dir, compiler, flags)
@@ -55,17 +61,18 @@ def load_decode_kernel(cache_dir: Path) -> bool:
                 _build(compiler, flags, library)
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU decode kernel not built, decode attention runs SDPA: %s", exc)
+        log.warning("CPU kernels not built, the forward keeps torch's kernels: %s", exc)
         return False
     return True
 
 
 def library_path(cache_dir: Path, compiler: str, flags: list[str]) -> Path:
-    """The built library in ``cache_dir``, named by a hash of what makes it: the source,
-    the torch version, the compiler and the flags."""
-    made_of = [SOURCE.read_bytes(), torch.__version__.encode(), compiler.encode()]
-    key = hashlib.sha256(b"\0".join(made_of + [f.encode() for f in flags])).hexdigest()
-    return cache_dir / f"decode_attention-{key[:16]}.so"
+    """The built library in ``cache_dir``, named by a hash of what makes it: the
+    sources, the torch version, the compiler and the flags."""
+    made_of = [*(source.read_bytes() for source in SOURCES), torch.__version__.encode()]
+    made_of += [compiler.encode(), *(f.encode() for f in flags)]
+    key = hashlib.sha256(b"\0".join(made_of)).hexdigest()
+    return cache_dir / f"cpu_kernels-{key[:16]}.so"
 
 
 def _compiler() -> str | None:
@@ -89,7 +96,7 @@ def _flags() -> list[str]:
 
 
 def _build(compiler: str, flags: list[str], library: Path) -> None:
-    """Compile ``SOURCE`` into ``library``, atomically (a temporary file renamed)."""
+    """Compile ``SOURCES`` into ``library``, atomically (a temporary file renamed)."""
     # torch's own headers and libraries, found beside its package (what
     # torch.utils.cpp_extension would give, without the setuptools it imports).
     root = Path(torch.__file__).parent
@@ -98,8 +105,8 @@ def _build(compiler: str, flags: list[str], library: Path) -> None:
     links = [f"-L{libdir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{libdir}"]
     fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
-    command = [compiler, *flags, *includes, str(SOURCE), "-o", partial, *links]
-    log.info("building the CPU decode kernel (once per machine and torch version)")
+    command = [compiler, *flags, *includes, *map(str, SOURCES), "-o", partial, *links]
+    log.info("building tandem's CPU kernels (once per machine and torch version)")
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:

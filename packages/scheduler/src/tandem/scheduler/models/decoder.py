@@ -41,9 +41,25 @@ _FUSED_NORM_MAX_ELEMENTS = 64 * 1024
 _HAS_TRITON = triton_available()  # importing the model never imports Triton
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _fused_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether tandem's fused CPU ops (``models/cpu_fused.cpp``) take ``x``: a CPU
+    tensor of float32 or bfloat16, ``others`` of its dtype."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and all(o.dtype == x.dtype for o in others)
+    )
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False
+) -> torch.Tensor:
     """``apply_rotary``; on CUDA/ROCm with Triton installed, the same formula in one
-    kernel launch (``models.triton_rope``)."""
+    kernel launch (``models.triton_rope``); with ``fused`` on the CPU, in one pass
+    (``torch.ops.tandem.rotary``)."""
+    if fused and _fused_fits(x):
+        out: torch.Tensor = torch.ops.tandem.rotary(x, cos, sin)
+        return out
     if x.is_cuda and _HAS_TRITON:
         from tandem.scheduler.models.triton_rope import rotary
 
@@ -59,8 +75,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = False  # torch.ops.tandem.rms_norm (set by CausalLM.use_fused_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and _fused_fits(x, self.weight):
+            rows = x.reshape(-1, x.shape[-1])
+            normed: torch.Tensor = torch.ops.tandem.rms_norm(rows, self.weight, self.eps)
+            return normed.view(x.shape)
         if x.device.type != "cpu":
             # Accelerators' fused kernel takes the statistics in float32 and rounds once
             # to x's dtype: the formula below in one launch instead of four, which a
@@ -104,6 +125,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qkv: PackedLinear | None = None  # set by ``pack``
         self.o: PackedLinear | None = None
+        self.fused = False  # rotate with torch.ops.tandem.rotary (use_fused_cpu_ops)
 
     def pack(self, column_major: bool, onednn: bool, forward_threads: int) -> None:
         """Fuse q/k/v into one projection (see ``models.packing``)."""
@@ -132,7 +154,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = _rotate(q, cos, sin, self.fused), _rotate(k, cos, sin, self.fused)
         out = attn.forward(self.layer_id, q, k, v, scale=self.scale)
         out = self.o(out)[0] if self.o is not None else self.o_proj(out)
         return self.tp.all_reduce(out)
@@ -151,6 +173,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.gate_up: PackedLinear | None = None  # set by ``pack``
         self.down: PackedLinear | None = None
+        self.fused = False  # torch.ops.tandem.silu_mul (set by CausalLM.use_fused_cpu_ops)
 
     def pack(self, column_major: bool, onednn: bool, forward_threads: int) -> None:
         """Fuse gate and up into one projection (see ``models.packing``)."""
@@ -174,7 +197,10 @@ class MLP(nn.Module):
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        inner = F.silu(gate).mul_(up)
+        if self.fused and _fused_fits(gate, up):
+            inner = torch.ops.tandem.silu_mul(gate, up)
+        else:
+            inner = F.silu(gate).mul_(up)
         return self.down(inner)[0] if self.down is not None else self.down_proj(inner)
 
 
@@ -296,6 +322,16 @@ class CausalLM(nn.Module):
         """
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_fused_cpu_ops(self) -> None:
+        """Run every layer's RMSNorm, SiLU-and-multiply and rotary embedding (and the
+        final norm) with tandem's fused CPU ops, ``torch.ops.tandem.rms_norm``,
+        ``silu_mul`` and ``rotary`` (``models/cpu_fused.cpp``, registered by the
+        caller: see ``attention.cpu_kernel``). The same arithmetic in one pass each;
+        inputs the ops do not take keep the torch formulas."""
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.fused = True
 
     def pack(
         self,
