@@ -27,8 +27,8 @@ from tandem.scheduler.attention import (
     create_attention_backend,
     default_backend,
 )
-from tandem.scheduler.attention.cpu_kernel import load_cpu_kernels
-from tandem.scheduler.attention.torch_backend import TorchAttention
+from tandem.scheduler.attention.cpu_kernel import bf16_decode, load_cpu_kernels
+from tandem.scheduler.attention.torch_backend import TorchAttention, bf16_kernel_fits
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cpu_malloc import keep_freed_memory
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
@@ -172,7 +172,7 @@ def _wire(
         local.num_attention_heads, local.num_key_value_heads, mc.head_dim, mc.head_dim**-0.5, dtype
     )
     backend = cfg.attention_backend or default_backend(device)
-    decode_kernel, fused_ops = _cpu_kernels(cfg, backend, device, dtype)
+    decode_kernel, fused_ops = _cpu_kernels(cfg, backend, device, heads)
     if fused_ops:
         model.use_fused_cpu_ops()
     attention = create_attention_backend(
@@ -303,16 +303,24 @@ def _forward_stream(cfg: EngineConfig, device: torch.device, threads: int | None
 
 
 def _cpu_kernels(
-    cfg: EngineConfig, backend: str, device: torch.device, dtype: torch.dtype
+    cfg: EngineConfig, backend: str, device: torch.device, heads: HeadShape
 ) -> tuple[bool, bool]:
     """Which of tandem's C++ CPU kernels (``attention.cpu_kernel``, built on the first
-    start on a machine) the forward uses: the decode attention (float32, the ``torch``
-    backend) unless ``disable_cpu_decode_kernel``, and the model's fused element-wise
-    ops (float32 or bfloat16) unless ``disable_cpu_fused_ops``. Neither off the CPU,
-    nor where the kernels cannot be built."""
+    start on a machine) the forward uses: the decode attention (the ``torch`` backend;
+    float32, or bfloat16 on a CPU with AVX512-BF16 and heads it takes) unless
+    ``disable_cpu_decode_kernel``, and the model's fused element-wise ops (float32 or
+    bfloat16) unless ``disable_cpu_fused_ops``. Neither off the CPU, nor where the
+    kernels cannot be built."""
     if device.type != "cpu":
         return False, False
-    decode = not cfg.disable_cpu_decode_kernel and backend == "torch" and dtype == torch.float32
+    dtype = heads.dtype
+    bf16 = (
+        dtype == torch.bfloat16
+        and bf16_decode()
+        and bf16_kernel_fits(heads.num_heads, heads.num_kv_heads, heads.head_dim)
+    )
+    decode = not cfg.disable_cpu_decode_kernel and backend == "torch"
+    decode = decode and (dtype == torch.float32 or bf16)
     fused = not cfg.disable_cpu_fused_ops and dtype in (torch.float32, torch.bfloat16)
     if not (decode or fused) or not load_cpu_kernels(cache_root() / "kernels"):
         return False, False

@@ -1,4 +1,5 @@
-// tandem's CPU decode attention: one query token per request against its keys, float32.
+// tandem's CPU decode attention: one query token per request against its keys, float32,
+// and bfloat16 where the CPU has AVX512-BF16.
 //
 // Built on first use by tandem/scheduler/attention/cpu_kernel.py and registered as
 // torch.ops.tandem.decode_attention; see docs/guides/adding-an-attention-backend.md,
@@ -9,6 +10,12 @@
 // pair's keys and values leave memory once, whatever G. Keys past the last one whose
 // bias is finite (past the request's length) are not read. SDPA's CPU kernel spends
 // about twice as long on the same step, in one small matrix product per pair.
+//
+// bfloat16 (built with -mavx512bf16, which cpu_kernel.py passes on CPUs that have it)
+// multiplies pairs of bfloat16 values into float32 sums (vdpbf16ps): sixteen keys'
+// scores at a time, their partial sums added across registers in four steps; the
+// weights, normalized in float32, are rounded to bfloat16 and meet the values two keys
+// at a time. Heads of a multiple of 32 elements only.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,6 +26,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -46,6 +57,14 @@ inline float exp_nonpositive(float x) {
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return x < -87.f ? 0.f : p * two_n;
+}
+
+// x rounded to the nearest bfloat16, ties to even, NaN kept a NaN (as its bits).
+inline uint16_t narrow(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
 }
 
 struct Pair {
@@ -149,6 +168,161 @@ void attend(const Pair& p, int64_t key_stride, int64_t dim_arg, int64_t groups, 
   }
 }
 
+#if defined(__AVX512BF16__)
+
+// The sixteen float32 sums of each of v[0..15], lane i holding v[s]'s sum where
+// s = (i % 4) * 4 + i / 4: pairs of registers exchange halves and add, four times.
+inline __m512 sum16(const __m512* v) {
+  __m512 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i) {
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
+}
+
+inline __m512bh load_bf16(const uint16_t* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+struct PairBf16 {
+  const uint16_t* q;  // [G, D], contiguous
+  const uint16_t* k;  // key j at k + j * key_stride, D contiguous elements
+  const uint16_t* v;
+  const float* bias;  // [length], 0 or -inf
+  uint16_t* out;      // [G, D]
+};
+
+// One (request, KV head) pair in bfloat16, D a multiple of 32 and at most 256.
+// `scores` holds G * (length + 1) floats, `weights` G * (length + 2) bfloat16s.
+void attend_bf16(const PairBf16& p, int64_t key_stride, int64_t dim, int64_t groups,
+                 int64_t length, float scale, float* scores, uint16_t* weights) {
+  const int64_t chunks = dim / 32;  // registers of 32 bfloat16s per head
+  const int64_t row = length + 1;
+  int64_t end = length;
+  while (end > 0 && p.bias[end - 1] == kNegInf) --end;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint16_t* qg = p.q + g * dim;
+    float* sg = scores + g * row;
+    int64_t j = 0;
+    for (; j + 16 <= end; j += 16) {
+      __m512 sums[16];
+      for (int s = 0; s < 16; ++s) {
+        // Slot s takes the key that sum16 puts in lane s.
+        const uint16_t* key = p.k + (j + (s % 4) * 4 + s / 4) * key_stride;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+          acc = _mm512_dpbf16_ps(acc, load_bf16(qg + 32 * c), load_bf16(key + 32 * c));
+        }
+        sums[s] = acc;
+      }
+      const __m512 bias = _mm512_loadu_ps(p.bias + j);
+      _mm512_storeu_ps(sg + j, _mm512_fmadd_ps(sum16(sums), _mm512_set1_ps(scale), bias));
+    }
+    for (; j < end; ++j) {
+      const uint16_t* key = p.k + j * key_stride;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        acc = _mm512_dpbf16_ps(acc, load_bf16(qg + 32 * c), load_bf16(key + 32 * c));
+      }
+      sg[j] = _mm512_reduce_add_ps(acc) * scale + p.bias[j];
+    }
+    float top = kNegInf;
+    for (int64_t i = 0; i < end; ++i) top = sg[i] > top ? sg[i] : top;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < end; ++i) {
+      const float e = exp_nonpositive(sg[i] - top);
+      sg[i] = e;
+      sum += e;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // Normalized, then rounded to bfloat16; one zero weight past an odd count, so the
+    // keys go in pairs.
+    uint16_t* wg = weights + g * (length + 2);
+    int64_t i = 0;
+    for (; i + 16 <= end; i += 16) {
+      const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(sg + i), _mm512_set1_ps(inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wg + i), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+    for (; i < end; ++i) {
+      const __m512 w = _mm512_set1_ps(sg[i] * inv);
+      const __m256i bits = (__m256i)_mm512_cvtneps_pbh(w);
+      wg[i] = static_cast<uint16_t>(_mm256_extract_epi16(bits, 0));
+    }
+    wg[end] = 0;
+  }
+  // The weighted values: two keys' rows interleaved element by element (unpacklo/hi
+  // within each 128-bit lane), times the two keys' weights as one bfloat16 pair. Lane
+  // l of the lo accumulator of chunk c holds element 32c + 8(l / 4) + l % 4, of the
+  // hi one that plus 4.
+  __m512 acc[8][16];  // [group][2 * chunk + lo/hi], groups <= 8
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t c = 0; c < 2 * chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < end; j += 2) {
+    const uint16_t* v0 = p.v + j * key_stride;
+    const uint16_t* v1 = v0 + key_stride;
+    const bool pair = j + 1 < end;  // past the last key: a zero row, weight 0
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i r0 = _mm512_loadu_si512(v0 + 32 * c);
+      const __m512i r1 = pair ? _mm512_loadu_si512(v1 + 32 * c) : zero;
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+      for (int64_t g = 0; g < groups; ++g) {
+        uint32_t both;
+        std::memcpy(&both, weights + g * (length + 2) + j, sizeof both);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(both));
+        acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, w);
+        acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, w);
+      }
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int64_t g = 0; g < groups; ++g) {
+    uint16_t* og = p.out + g * dim;
+    for (int64_t c = 0; c < 2 * chunks; ++c) {
+      _mm512_store_ps(lanes, acc[g][c]);
+      const int64_t first = 32 * (c / 2) + 4 * (c % 2);
+      for (int l = 0; l < 16; ++l) og[first + 8 * (l / 4) + l % 4] = narrow(lanes[l]);
+    }
+  }
+}
+
+void run_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& bias, const at::Tensor& out, float scale) {
+  const int64_t batch = k.size(0), kv_heads = k.size(1), length = k.size(2), dim = k.size(3);
+  const int64_t groups = q.size(1) / kv_heads;
+  const auto* qp = static_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v.data_ptr());
+  const float* bp = bias.data_ptr<float>();
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  const int64_t request_stride = k.stride(0), head_stride = k.stride(1), key_stride = k.stride(2);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * (length + 1));
+    std::vector<uint16_t> weights(groups * (length + 2));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / kv_heads, h = i % kv_heads;
+      const int64_t first = (r * kv_heads + h) * groups * dim;
+      const int64_t at = r * request_stride + h * head_stride;
+      const PairBf16 pair{qp + first, kp + at, vp + at, bp + r * length, op + first};
+      attend_bf16(pair, key_stride, dim, groups, length, scale, scores.data(), weights.data());
+    }
+  });
+}
+
+#endif  // __AVX512BF16__
+
 template <int64_t kDim>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
          const at::Tensor& out, float scale) {
@@ -179,9 +353,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 // own key; a request whose every key is masked gets zeros (SDPA would give NaN).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
                             const at::Tensor& values, const at::Tensor& bias, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat,
-              "tandem::decode_attention takes float32 tensors");
+  const bool bf16 = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((keys.scalar_type() == at::kFloat || bf16) && q.scalar_type() == keys.scalar_type() &&
+                  values.scalar_type() == keys.scalar_type() &&
+                  bias.scalar_type() == keys.scalar_type(),
+              "tandem::decode_attention takes float32 or bfloat16 tensors, all of one dtype");
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
               "tandem::decode_attention: q [B, H, D], keys and values [B, Hkv, L, D]");
   const int64_t batch = keys.size(0), kv_heads = keys.size(1), length = keys.size(2);
@@ -193,10 +369,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
               "tandem::decode_attention: keys and values need the same strides, the last 1");
   TORCH_CHECK(bias.numel() == batch * length, "tandem::decode_attention: bias ", bias.sizes(),
               " is not [B, 1, 1, L] for keys ", keys.sizes());
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor bc = bias.contiguous();
   at::Tensor out = at::empty({batch, q.size(1) * dim}, q.options());
   const float s = static_cast<float>(scale);
+  if (bf16) {
+#if defined(__AVX512BF16__)
+    TORCH_CHECK(dim % 32 == 0 && dim <= 256 && q.size(1) / kv_heads <= 8,
+                "tandem::decode_attention: bfloat16 takes heads of a multiple of 32 elements, "
+                "at most 256, and at most 8 query heads per KV head; got keys ", keys.sizes(),
+                " and q ", q.sizes());
+    run_bf16(q.contiguous(), keys, values, bias.to(at::kFloat).contiguous(), out, s);
+    return out;
+#else
+    TORCH_CHECK(false, "tandem::decode_attention: bfloat16 needs a build with AVX512-BF16");
+#endif
+  }
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor bc = bias.contiguous();
   switch (dim) {
     case 16: run<16>(qc, keys, values, bc, out, s); break;
     case 32: run<32>(qc, keys, values, bc, out, s); break;

@@ -92,7 +92,21 @@ def _flags() -> list[str]:
             flags += ["-mavx2", "-mfma"]
         if capability == "AVX512":
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
+            if _has_avx512_bf16():
+                flags.append("-mavx512bf16")
     return flags
+
+
+def _has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16, as torch reports it."""
+    supported = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(supported is not None and supported())
+
+
+def bf16_decode() -> bool:
+    """Whether the kernels built on this machine attend bfloat16 decode steps: built
+    with AVX512-BF16 (``cpu_decode.cpp`` has no other bfloat16 path)."""
+    return "-mavx512bf16" in _flags()
 
 
 def _build(compiler: str, flags: list[str], library: Path) -> None:

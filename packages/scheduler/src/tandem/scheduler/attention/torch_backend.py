@@ -68,7 +68,7 @@ class StagedDecode:
     v_cache: tuple[torch.Tensor, ...]
     k_stage: tuple[torch.Tensor, ...]  # per layer, [B, Hkv, capacity, D]
     v_stage: tuple[torch.Tensor, ...]
-    kernel: bool = False  # attend float32 with torch.ops.tandem.decode_attention
+    kernel: bool = False  # attend with torch.ops.tandem.decode_attention
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor, flat, in the order ``from_tensors`` reads them."""
@@ -126,8 +126,9 @@ class TorchAttention(AttentionBackend):
         ``attention.decode_stage``); off, every step gathers them. ``check_stage``
         (a debug invariant): every step that continues the stage first checks that the
         stage still equals the paged cache (``DecodeStage.check``). ``decode_kernel``:
-        float32 CPU decode steps attend with ``torch.ops.tandem.decode_attention``
-        (``attention.cpu_kernel``, registered by the caller) instead of SDPA."""
+        CPU decode steps attend with ``torch.ops.tandem.decode_attention``
+        (``attention.cpu_kernel``, registered by the caller) instead of SDPA (float32)
+        or two matrix products (bfloat16)."""
         self.kv_cache = kv_cache
         self.req_to_token = req_to_token
         self.decode_stage = decode_stage
@@ -158,7 +159,7 @@ class TorchAttention(AttentionBackend):
             if device.type == "cpu":
                 self._stage = self._next_stage(stage, batch, max_seq)
                 dtype = self.kv_cache.k_buffer(0).dtype
-                if self._stage is not None and _whole_stage(dtype):
+                if self._stage is not None and _whole_stage(dtype, self.decode_kernel):
                     # Attend over the whole stage, its keys past each request masked.
                     k_pos = torch.arange(self._stage.capacity, device=device)
                 bias = _additive_mask(k_pos >= seq_lens, dtype).view(b, 1, 1, -1)
@@ -277,38 +278,53 @@ class TorchAttention(AttentionBackend):
             if self.check_stage:
                 stage.check(self.kv_cache, self.req_to_token)
             return stage
-        capacity = capacity_for(max_seq, _whole_stage(self.kv_cache.k_buffer(0).dtype))
+        dtype = self.kv_cache.k_buffer(0).dtype
+        capacity = capacity_for(max_seq, _whole_stage(dtype, self.decode_kernel))
         if not stage_fits(len(rows), capacity, self.kv_cache.layout):
             return None
         return DecodeStage(list(rows), list(seq_lens), capacity)
 
 
-def _whole_stage(dtype: torch.dtype) -> bool:
+def _whole_stage(dtype: torch.dtype, kernel: bool) -> bool:
     """Whether a decode stage of K/V in ``dtype`` is attended whole, by two matrix
-    products (``_grouped_decode``), rather than cut to the longest sequence for SDPA.
+    products (``_grouped_decode``), rather than cut to the longest sequence for SDPA
+    or tandem's decode kernel (``kernel``: the backend's ``decode_kernel``).
 
-    For bfloat16 only. SDPA's CPU kernel is slow there, and the products are fast only
-    on a contiguous operand: on a cut stage (a ``[:, :, :L]`` slice of
-    ``[B, Hkv, capacity, D]``) the matmul copies the keys first. Measured per layer on
+    For bfloat16 without the kernel only. SDPA's CPU kernel is slow there, and the
+    products are fast only on a contiguous operand: on a cut stage (a ``[:, :, :L]``
+    slice of ``[B, Hkv, capacity, D]``) the matmul copies the keys first. Measured per layer on
     a 2-core AVX-512 CPU, 2 threads (Hkv=4, G=3, D=64; the stage ``L + 64`` to
     ``L + 127`` keys long): B=64 L=120 954 -> 552 us, L=220 1688 -> 1045 us, L=320 2790 -> 1920 us;
     B=8 from equal to 1.37x faster. A ~100M bfloat16 model decodes 64 requests 9 % faster.
     float32 gained at most 1.2x at B=64 and lost at B=8; it takes tandem's decode
-    kernel (``_kernel_fits``), or SDPA on the cut stage without it."""
-    return dtype == torch.bfloat16
+    kernel (``_kernel_fits``), or SDPA on the cut stage without it. The kernel reads
+    each request's keys only, so bfloat16 with the kernel (AVX512-BF16) cuts too."""
+    return dtype == torch.bfloat16 and not kernel
 
 
 def _kernel_fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether ``torch.ops.tandem.decode_attention`` takes this step: float32, K and V
-    laid out alike (the stage, or the gathered pages seen as ``[B, Hkv, L, D]``), each
-    head's elements contiguous. bfloat16 keeps its two matrix products, which were
-    faster than the kernel at 64 requests (12.8 against 15.6 ms a step for the ~100M
-    model, the kernel widening every element to float32)."""
+    """Whether ``torch.ops.tandem.decode_attention`` takes this step: float32, or
+    bfloat16 with heads of a multiple of 32 elements (at most 256) and at most 8 query
+    heads per KV head (``bf16_kernel_fits``); K and V laid out alike (the stage, or the
+    gathered pages seen as ``[B, Hkv, L, D]``), each head's elements contiguous. The
+    engine turns the kernel on for bfloat16 only where the CPU has AVX512-BF16
+    (``cpu_kernel.bf16_decode``)."""
+    dtype = keys.dtype
+    if dtype == torch.bfloat16:
+        fits = bf16_kernel_fits(q.shape[1], keys.shape[1], keys.shape[-1])
+    else:
+        fits = dtype == torch.float32
     return (
-        q.dtype == keys.dtype == values.dtype == torch.float32
+        fits
+        and q.dtype == dtype == values.dtype
         and keys.stride(-1) == 1
         and keys.stride() == values.stride()
     )
+
+
+def bf16_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the decode kernel's bfloat16 path takes heads of this shape."""
+    return head_dim % 32 == 0 and head_dim <= 256 and num_heads // num_kv_heads <= 8
 
 
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -356,8 +372,8 @@ def _grouped_decode(
     ``D``-wide block of a zero ``[H, Hkv * D]`` matrix) was never faster at these
     shapes (143 us for the default call above; one tie) and wastes a factor ``Hkv``
     of arithmetic. The grouped layout is measured on the CPU only; CUDA keeps the general
-    path. bfloat16 K/V take two matrix products instead of SDPA (``_whole_stage``);
-    float32 takes tandem's decode kernel when ``kernel`` (``_kernel_fits``).
+    path. tandem's decode kernel takes the step when ``kernel`` (``_kernel_fits``);
+    without it, bfloat16 K/V take two matrix products instead of SDPA (``_whole_stage``).
     Returns ``[B, H * D]``."""
     b, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
@@ -365,9 +381,9 @@ def _grouped_decode(
         out: torch.Tensor = torch.ops.tandem.decode_attention(q, keys, values, mask, scale)
         return out
     queries = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if _whole_stage(keys.dtype):
-        # Scores and softmax in float32; the keys past a request hold zeros (see
-        # DecodeStage), so their weight is exactly zero.
+    if keys.dtype == torch.bfloat16:
+        # Scores and softmax in float32; on a whole stage the keys past a request hold
+        # zeros (see DecodeStage), so their weight is exactly zero.
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float()
         weights = torch.softmax(scores.mul_(scale).add_(mask), dim=-1)
         out = torch.matmul(weights.to(values.dtype), values)
