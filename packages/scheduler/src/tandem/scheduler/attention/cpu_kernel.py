@@ -1,7 +1,8 @@
 """tandem's CPU kernels: its own C++ ops, built on a machine's first CPU start.
 
-Two sources make one library: ``cpu_decode.cpp``, beside this file, the float32 decode
-attention (``torch.ops.tandem.decode_attention``), and ``models/cpu_fused.cpp``, the
+Two sources make one library: ``cpu_decode.cpp``, beside this file, the decode
+attention (``torch.ops.tandem.decode_attention``; float32, and bfloat16 on CPUs with
+AVX512-BF16), and ``models/cpu_fused.cpp``, the
 fused element-wise ops of the model (``torch.ops.tandem.rms_norm``, ``silu_mul`` and
 ``rotary``). They are compiled the first time a CPU engine starts on a machine, with
 the C++ compiler found on ``PATH`` against the running torch's headers and libraries,
