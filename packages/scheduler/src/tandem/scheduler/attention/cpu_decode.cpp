@@ -27,6 +27,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -35,37 +37,8 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (a score minus its row's maximum) in a form the compiler
-// vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
-// (relative error under 3e-7), 2^n from the exponent bits. 0 below -87 and at -inf.
-inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.f ? -87.f : x;
-  // Rounded to the nearest integer by adding and taking away 1.5 * 2^23: roundf itself
-  // rounds halves away from zero, which the vector units have no instruction for, and
-  // would keep the loop scalar.
-  const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  // ln2 in two parts, so that n * ln2 is exact enough for |n| <= 126.
-  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return x < -87.f ? 0.f : p * two_n;
-}
-
-// x rounded to the nearest bfloat16, ties to even, NaN kept a NaN (as its bits).
-inline uint16_t narrow(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return x != x ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
-}
+using tandem_cpu::exp_fast;
+using tandem_cpu::to_bf16;
 
 struct Pair {
   const float* q;     // [G, D], contiguous
@@ -129,7 +102,7 @@ void attend(const Pair& p, int64_t key_stride, int64_t dim_arg, int64_t groups, 
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < end; ++i) {
-      const float e = exp_nonpositive(sg[i] - top);
+      const float e = exp_fast(sg[i] - top);
       sg[i] = e;
       sum += e;
     }
@@ -240,7 +213,7 @@ void attend_bf16(const PairBf16& p, int64_t key_stride, int64_t dim, int64_t gro
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < end; ++i) {
-      const float e = exp_nonpositive(sg[i] - top);
+      const float e = exp_fast(sg[i] - top);
       sg[i] = e;
       sum += e;
     }
@@ -293,7 +266,7 @@ void attend_bf16(const PairBf16& p, int64_t key_stride, int64_t dim, int64_t gro
     for (int64_t c = 0; c < 2 * chunks; ++c) {
       _mm512_store_ps(lanes, acc[g][c]);
       const int64_t first = 32 * (c / 2) + 4 * (c % 2);
-      for (int l = 0; l < 16; ++l) og[first + 8 * (l / 4) + l % 4] = narrow(lanes[l]);
+      for (int l = 0; l < 16; ++l) og[first + 8 * (l / 4) + l % 4] = to_bf16(lanes[l]);
     }
   }
 }

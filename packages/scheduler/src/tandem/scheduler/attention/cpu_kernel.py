@@ -32,6 +32,7 @@ SOURCES = (
     Path(__file__).with_name("cpu_decode.cpp"),
     Path(__file__).parent.parent / "models" / "cpu_fused.cpp",
 )
+HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by both sources
 COMPILERS = ("c++", "g++", "clang++")
 BUILD_TIMEOUT_S = 600
 
@@ -69,8 +70,8 @@ def load_cpu_kernels(cache_dir: Path) -> bool:
 
 def library_path(cache_dir: Path, compiler: str, flags: list[str]) -> Path:
     """The built library in ``cache_dir``, named by a hash of what makes it: the
-    sources, the torch version, the compiler and the flags."""
-    made_of = [*(source.read_bytes() for source in SOURCES), torch.__version__.encode()]
+    sources and their header, the torch version, the compiler and the flags."""
+    made_of = [*(path.read_bytes() for path in (*SOURCES, *HEADERS)), torch.__version__.encode()]
     made_of += [compiler.encode(), *(f.encode() for f in flags)]
     key = hashlib.sha256(b"\0".join(made_of)).hexdigest()
     return cache_dir / f"cpu_kernels-{key[:16]}.so"

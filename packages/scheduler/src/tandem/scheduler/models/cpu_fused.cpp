@@ -4,8 +4,8 @@
 //
 // Built with the decode kernel by tandem/scheduler/attention/cpu_kernel.py and
 // registered as torch.ops.tandem.rms_norm, silu_mul and rotary; see
-// docs/guides/adding-an-attention-backend.md, "The two backends", its bullet "The CPU
-// fused ops". Each op rounds where the torch formula it replaces rounds (the same
+// docs/guides/adding-a-model.md, "Adding a new architecture", its bullet "The fused
+// CPU ops". Each op rounds where the torch formula it replaces rounds (the same
 // float32 arithmetic up to the order of a sum), so bfloat16 results match the formula's
 // to the last bit but where a sum's order moves one.
 
@@ -16,21 +16,17 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
+
+#include "../attention/cpu_math.h"
 
 namespace {
 
+using tandem_cpu::exp_fast;
+using tandem_cpu::widen;
+
 inline float widen(float x) { return x; }
 
-inline float widen(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-
-// x rounded to T: float as it is; bfloat16 to nearest, ties to even, NaN kept a NaN.
+// x rounded to T: float as it is; bfloat16 to nearest, ties to even (tandem_cpu::to_bf16).
 template <typename T>
 inline T narrow(float x);
 
@@ -41,32 +37,7 @@ inline float narrow<float>(float x) {
 
 template <>
 inline uint16_t narrow<uint16_t>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return x != x ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
-}
-
-// e^x for any float x in a form the compiler vectorizes (see cpu_decode.cpp's
-// exp_nonpositive): x = n ln2 + r, e^r by a degree-6 polynomial, 2^n from the exponent
-// bits; 0 below -87 and infinity above 88, so that silu(x) of a very negative x is
-// -0, as torch gives it.
-inline float exp_any(float x) {
-  const float clamped = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = (clamped * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  const float finite = x < -87.f ? 0.f : p * two_n;
-  return x > 88.f ? std::numeric_limits<float>::infinity() : finite;
+  return tandem_cpu::to_bf16(x);
 }
 
 // Rows of 16 KiB or more are worth a task of their own; shorter ones go in groups.
@@ -126,7 +97,7 @@ void silu_mul_rows(const at::Tensor& gate, const at::Tensor& up, const at::Tenso
 #pragma omp simd
       for (int64_t i = 0; i < size; ++i) {
         const float v = widen(g[i]);
-        const float silu = widen(narrow<T>(v / (1.f + exp_any(-v))));
+        const float silu = widen(narrow<T>(v / (1.f + exp_fast(-v))));
         o[i] = narrow<T>(silu * widen(u[i]));
       }
     }
