@@ -167,7 +167,9 @@ def test_bfloat16_kernel_reads_the_gathered_pages_strides(kernel_dir: Path) -> N
     k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)  # [B, Hkv, L, D]
     q = torch.randn(2, 12, 64, generator=gen).bfloat16()
     bias = _bias([37, 20], 37).bfloat16()
-    if not cpu_kernel.bf16_decode():  # covered by the refusal above
+    if not cpu_kernel.bf16_decode():  # a CPU without AVX512-BF16: a clear refusal
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.tandem.decode_attention(q, k, v, bias, 0.125)
         return
     out = torch.ops.tandem.decode_attention(q, k, v, bias, 0.125)
     contiguous = torch.ops.tandem.decode_attention(q, k.contiguous(), v.contiguous(), bias, 0.125)

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_math.h"
@@ -40,13 +41,40 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 using tandem_cpu::exp_fast;
 using tandem_cpu::to_bf16;
 
+// One (request, KV head) pair's operands. T: float, or uint16_t for bfloat16's bits.
+template <typename T>
 struct Pair {
-  const float* q;     // [G, D], contiguous
-  const float* k;     // key j at k + j * key_stride, D contiguous floats
-  const float* v;
+  const T* q;         // [G, D], contiguous
+  const T* k;         // key j at k + j * key_stride, D contiguous elements
+  const T* v;
   const float* bias;  // [length], 0 or -inf
-  float* out;         // [G, D]
+  T* out;             // [G, D]
 };
+
+// Calls attend(pair, buffers) for every (request, KV head) pair of the step, each one
+// task of at::parallel_for (the forward's intra-op threads), with buffers = scratch()
+// made once per thread. K and V share their strides (checked by decode_attention).
+template <typename T, typename Scratch, typename Attend>
+void for_each_pair(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& bias, const at::Tensor& out, Scratch scratch,
+                   Attend attend) {
+  const int64_t batch = k.size(0), kv_heads = k.size(1), length = k.size(2);
+  const int64_t head = q.size(1) / kv_heads * k.size(3);  // elements of a pair's q and out
+  const auto* qp = static_cast<const T*>(q.data_ptr());
+  const auto* kp = static_cast<const T*>(k.data_ptr());
+  const auto* vp = static_cast<const T*>(v.data_ptr());
+  const float* bp = bias.data_ptr<float>();
+  auto* op = static_cast<T*>(out.data_ptr());
+  const int64_t request_stride = k.stride(0), head_stride = k.stride(1);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    auto buffers = scratch();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / kv_heads, h = i % kv_heads;
+      const int64_t at = r * request_stride + h * head_stride;
+      attend(Pair<T>{qp + i * head, kp + at, vp + at, bp + r * length, op + i * head}, buffers);
+    }
+  });
+}
 
 // One (request, KV head) pair. kDim > 0: the head size known when compiling (the inner
 // loops unroll); 0: `dim` at run time. Keys go four at a time: four independent sums
@@ -54,8 +82,8 @@ struct Pair {
 // additions. `acc` holds G * D + G floats (the weighted values, then each head's
 // 1 / sum); `scores` G * length.
 template <int64_t kDim>
-void attend(const Pair& p, int64_t key_stride, int64_t dim_arg, int64_t groups, int64_t length,
-            float scale, float* scores, float* acc) {
+void attend(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, int64_t groups,
+            int64_t length, float scale, float* scores, float* acc) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
   int64_t end = length;  // keys past the last one attended are never read
   while (end > 0 && p.bias[end - 1] == kNegInf) --end;
@@ -166,17 +194,9 @@ inline __m512bh load_bf16(const uint16_t* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
 
-struct PairBf16 {
-  const uint16_t* q;  // [G, D], contiguous
-  const uint16_t* k;  // key j at k + j * key_stride, D contiguous elements
-  const uint16_t* v;
-  const float* bias;  // [length], 0 or -inf
-  uint16_t* out;      // [G, D]
-};
-
 // One (request, KV head) pair in bfloat16, D a multiple of 32 and at most 256.
 // `scores` holds G * (length + 1) floats, `weights` G * (length + 2) bfloat16s.
-void attend_bf16(const PairBf16& p, int64_t key_stride, int64_t dim, int64_t groups,
+void attend_bf16(const Pair<uint16_t>& p, int64_t key_stride, int64_t dim, int64_t groups,
                  int64_t length, float scale, float* scores, uint16_t* weights) {
   const int64_t chunks = dim / 32;  // registers of 32 bfloat16s per head
   const int64_t row = length + 1;
@@ -273,25 +293,16 @@ void attend_bf16(const PairBf16& p, int64_t key_stride, int64_t dim, int64_t gro
 
 void run_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& bias, const at::Tensor& out, float scale) {
-  const int64_t batch = k.size(0), kv_heads = k.size(1), length = k.size(2), dim = k.size(3);
-  const int64_t groups = q.size(1) / kv_heads;
-  const auto* qp = static_cast<const uint16_t*>(q.data_ptr());
-  const auto* kp = static_cast<const uint16_t*>(k.data_ptr());
-  const auto* vp = static_cast<const uint16_t*>(v.data_ptr());
-  const float* bp = bias.data_ptr<float>();
-  auto* op = static_cast<uint16_t*>(out.data_ptr());
-  const int64_t request_stride = k.stride(0), head_stride = k.stride(1), key_stride = k.stride(2);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * (length + 1));
-    std::vector<uint16_t> weights(groups * (length + 2));
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / kv_heads, h = i % kv_heads;
-      const int64_t first = (r * kv_heads + h) * groups * dim;
-      const int64_t at = r * request_stride + h * head_stride;
-      const PairBf16 pair{qp + first, kp + at, vp + at, bp + r * length, op + first};
-      attend_bf16(pair, key_stride, dim, groups, length, scale, scores.data(), weights.data());
-    }
-  });
+  const int64_t length = k.size(2), dim = k.size(3), key_stride = k.stride(2);
+  const int64_t groups = q.size(1) / k.size(1);
+  using Buffers = std::pair<std::vector<float>, std::vector<uint16_t>>;
+  for_each_pair<uint16_t>(
+      q, k, v, bias, out,
+      [&] { return Buffers(groups * (length + 1), groups * (length + 2)); },
+      [&](const Pair<uint16_t>& pair, Buffers& buffers) {
+        attend_bf16(pair, key_stride, dim, groups, length, scale, buffers.first.data(),
+                    buffers.second.data());
+      });
 }
 
 #endif  // __AVX512BF16__
@@ -299,25 +310,15 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 template <int64_t kDim>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
          const at::Tensor& out, float scale) {
-  const int64_t batch = k.size(0), kv_heads = k.size(1), length = k.size(2), dim = k.size(3);
-  const int64_t groups = q.size(1) / kv_heads;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const float* bp = bias.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // K and V share their strides (checked by decode_attention).
-  const int64_t request_stride = k.stride(0), head_stride = k.stride(1), key_stride = k.stride(2);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * length), acc(groups * dim + groups);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / kv_heads, h = i % kv_heads;
-      const int64_t first = (r * kv_heads + h) * groups * dim;
-      const int64_t at = r * request_stride + h * head_stride;
-      const Pair pair{qp + first, kp + at, vp + at, bp + r * length, op + first};
-      attend<kDim>(pair, key_stride, dim, groups, length, scale, scores.data(), acc.data());
-    }
-  });
+  const int64_t length = k.size(2), dim = k.size(3), key_stride = k.stride(2);
+  const int64_t groups = q.size(1) / k.size(1);
+  for_each_pair<float>(
+      q, k, v, bias, out,
+      [&] { return std::vector<float>(groups * length + groups * dim + groups); },
+      [&](const Pair<float>& pair, std::vector<float>& scratch) {
+        attend<kDim>(pair, key_stride, dim, groups, length, scale, scratch.data(),
+                     scratch.data() + groups * length);
+      });
 }
 
 // q [B, H, D]; keys and values [B, Hkv, L, D], any strides but a contiguous last
