@@ -1,9 +1,11 @@
 """The CPU decode kernel (``torch.ops.tandem.decode_attention``, built from
 ``attention/cpu_decode.cpp``): its output against float64 SDPA at every head size it
-specializes and one it does not, with masked keys, key counts that are not a multiple
-of its four-key blocks and the gathered pages' strides; the bad inputs it refuses; the
-build's cache and its fallback to SDPA; and an engine's tokens with the kernel equal to
-its tokens with SDPA, in both loops, through the decode trace."""
+specializes and ones it does not, on its AVX-512 path and its generic one (a head of
+40 elements, 12 query heads per KV head), with masked keys, key counts that are not a
+multiple of its sixteen- or four-key blocks and the gathered pages' strides; the bad
+inputs it refuses; the build's cache and its fallback to SDPA; and an engine's tokens
+with the kernel equal to its tokens with SDPA, in both loops, through the decode
+trace."""
 
 from __future__ import annotations
 
@@ -51,12 +53,12 @@ def _bias(lens: list[int], length: int) -> torch.Tensor:
     return bias.view(len(lens), 1, 1, length)
 
 
-@pytest.mark.parametrize("dim", [16, 32, 64, 128, 48])
-@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("dim", [16, 32, 64, 128, 48, 40])
+@pytest.mark.parametrize("group", [1, 3, 7, 12])
 def test_kernel_equals_float64_attention(kernel_dir: Path, dim: int, group: int) -> None:
     gen = torch.Generator().manual_seed(dim * 10 + group)
-    kv_heads, lens = 2, [1, 7, 33, 30, 4]
-    length = max(lens)  # 33: one key past the last four-key block
+    kv_heads, lens = 2, [1, 7, 33, 30, 4, 16, 17]
+    length = max(lens)  # 33: one key past the last sixteen- (and four-) key block
     b = len(lens)
     # A stage: capacity 64, cut to the longest request; its keys past each length hold
     # whatever the cache had (the mask hides them).

@@ -11,11 +11,16 @@
 // bias is finite (past the request's length) are not read. SDPA's CPU kernel spends
 // about twice as long on the same step, in one small matrix product per pair.
 //
+// float32 on AVX-512 (heads of a multiple of 16 elements, at most 256, at most 8 query
+// heads per KV head) scores sixteen keys at a time, their sixteen partial-sum
+// registers added across in four steps (sum16) instead of one horizontal sum per key
+// and query head; elsewhere, four keys at a time with the compiler's vectorization.
+//
 // bfloat16 (built with -mavx512bf16, which cpu_kernel.py passes on CPUs that have it)
-// multiplies pairs of bfloat16 values into float32 sums (vdpbf16ps): sixteen keys'
-// scores at a time, their partial sums added across registers in four steps; the
-// weights, normalized in float32, are rounded to bfloat16 and meet the values two keys
-// at a time. Heads of a multiple of 32 elements only.
+// multiplies pairs of bfloat16 values into float32 sums (vdpbf16ps), its scores made
+// sixteen keys at a time the same way; the weights, normalized in float32, are rounded
+// to bfloat16 and meet the values two keys at a time. Heads of a multiple of 32
+// elements only.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,7 +35,7 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -74,6 +79,22 @@ void for_each_pair(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       attend(Pair<T>{qp + i * head, kp + at, vp + at, bp + r * length, op + i * head}, buffers);
     }
   });
+}
+
+// Replaces s[0, n) by e^(s - max s) and returns 1 / their sum, 0 when every score
+// is -inf (a request whose every key is masked then gets zeros).
+inline float exp_in_place(float* s, int64_t n) {
+  float top = kNegInf;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = exp_fast(s[i] - top);
+    s[i] = e;
+    sum += e;
+  }
+  return sum > 0.f ? 1.f / sum : 0.f;
 }
 
 // One (request, KV head) pair. kDim > 0: the head size known when compiling (the inner
@@ -122,20 +143,7 @@ void attend(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, int64_t g
     }
   }
   float* inv = acc + groups * dim;
-  for (int64_t g = 0; g < groups; ++g) {
-    float* sg = scores + g * length;
-    float top = kNegInf;
-#pragma omp simd reduction(max : top)
-    for (int64_t i = 0; i < end; ++i) top = sg[i] > top ? sg[i] : top;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < end; ++i) {
-      const float e = exp_fast(sg[i] - top);
-      sg[i] = e;
-      sum += e;
-    }
-    inv[g] = sum > 0.f ? 1.f / sum : 0.f;
-  }
+  for (int64_t g = 0; g < groups; ++g) inv[g] = exp_in_place(scores + g * length, end);
   for (int64_t i = 0; i < groups * dim; ++i) acc[i] = 0.f;
   j = 0;
   for (; j + 4 <= end; j += 4) {
@@ -169,7 +177,7 @@ void attend(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, int64_t g
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 
 // The sixteen float32 sums of each of v[0..15], lane i holding v[s]'s sum where
 // s = (i % 4) * 4 + i / 4: pairs of registers exchange halves and add, four times.
@@ -189,6 +197,94 @@ inline __m512 sum16(const __m512* v) {
   }
   return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
 }
+
+// One (request, KV head) pair in float32 on AVX512, D a multiple of 16 and at most 256,
+// G <= 8: sixteen keys' scores at a time, their partial sums added across registers
+// (sum16) instead of one horizontal sum per key and head, and the weighted values in
+// sixteen-float registers, four keys at a time. `scores` holds G * length floats.
+template <int64_t kDim>
+void attend_avx512(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, int64_t groups,
+                   int64_t length, float scale, float* scores) {
+  const int64_t dim = kDim > 0 ? kDim : dim_arg;
+  const int64_t chunks = dim / 16;
+  int64_t end = length;
+  while (end > 0 && p.bias[end - 1] == kNegInf) --end;
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  // The keys are read in address order; sum16 leaves key s's sum in lane
+  // (s % 4) * 4 + s / 4, and this permutation puts it back in lane s.
+  const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  int64_t j = 0;
+  for (; j + 16 <= end; j += 16) {
+    const __m512 bias = _mm512_loadu_ps(p.bias + j);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = p.q + g * dim;
+      __m512 sums[16];
+      for (int s = 0; s < 16; ++s) {
+        const float* key = p.k + (j + s) * key_stride;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(key));
+        for (int64_t c = 1; c < chunks; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(key + 16 * c), acc);
+        }
+        sums[s] = acc;
+      }
+      const __m512 dots = _mm512_permutexvar_ps(in_order, sum16(sums));
+      _mm512_storeu_ps(scores + g * length + j, _mm512_fmadd_ps(dots, scale16, bias));
+    }
+  }
+  for (; j < end; ++j) {
+    const float* key = p.k + j * key_stride;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = p.q + g * dim;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(key + 16 * c), acc);
+      }
+      scores[g * length + j] = _mm512_reduce_add_ps(acc) * scale + p.bias[j];
+    }
+  }
+  float inv[8];
+  for (int64_t g = 0; g < groups; ++g) inv[g] = exp_in_place(scores + g * length, end);
+  __m512 acc[8][16];  // [group][chunk]
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  }
+  j = 0;
+  for (; j + 4 <= end; j += 4) {
+    const float* v0 = p.v + j * key_stride;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 x0 = _mm512_loadu_ps(v0 + 16 * c);
+      const __m512 x1 = _mm512_loadu_ps(v0 + key_stride + 16 * c);
+      const __m512 x2 = _mm512_loadu_ps(v0 + 2 * key_stride + 16 * c);
+      const __m512 x3 = _mm512_loadu_ps(v0 + 3 * key_stride + 16 * c);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* w = scores + g * length + j;
+        __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(w[0]), x0, acc[g][c]);
+        a = _mm512_fmadd_ps(_mm512_set1_ps(w[1]), x1, a);
+        a = _mm512_fmadd_ps(_mm512_set1_ps(w[2]), x2, a);
+        acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(w[3]), x3, a);
+      }
+    }
+  }
+  for (; j < end; ++j) {
+    const float* vj = p.v + j * key_stride;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 x = _mm512_loadu_ps(vj + 16 * c);
+      for (int64_t g = 0; g < groups; ++g) {
+        acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * length + j]), x, acc[g][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_storeu_ps(p.out + g * dim + 16 * c, _mm512_mul_ps(acc[g][c], s));
+    }
+  }
+}
+
+#endif  // __AVX512F__
+
+#if defined(__AVX512BF16__)
 
 inline __m512bh load_bf16(const uint16_t* p) {
   return (__m512bh)_mm512_loadu_si512(p);
@@ -228,16 +324,7 @@ void attend_bf16(const Pair<uint16_t>& p, int64_t key_stride, int64_t dim, int64
       }
       sg[j] = _mm512_reduce_add_ps(acc) * scale + p.bias[j];
     }
-    float top = kNegInf;
-    for (int64_t i = 0; i < end; ++i) top = sg[i] > top ? sg[i] : top;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < end; ++i) {
-      const float e = exp_fast(sg[i] - top);
-      sg[i] = e;
-      sum += e;
-    }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = exp_in_place(sg, end);
     // Normalized, then rounded to bfloat16; one zero weight past an odd count, so the
     // keys go in pairs.
     uint16_t* wg = weights + g * (length + 2);
@@ -312,6 +399,16 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
          const at::Tensor& out, float scale) {
   const int64_t length = k.size(2), dim = k.size(3), key_stride = k.stride(2);
   const int64_t groups = q.size(1) / k.size(1);
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim <= 256 && groups <= 8) {
+    for_each_pair<float>(
+        q, k, v, bias, out, [&] { return std::vector<float>(groups * length); },
+        [&](const Pair<float>& pair, std::vector<float>& scores) {
+          attend_avx512<kDim>(pair, key_stride, dim, groups, length, scale, scores.data());
+        });
+    return;
+  }
+#endif
   for_each_pair<float>(
       q, k, v, bias, out,
       [&] { return std::vector<float>(groups * length + groups * dim + groups); },
