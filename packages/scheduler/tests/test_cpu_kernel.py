@@ -9,8 +9,11 @@ trace."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -187,12 +190,43 @@ def test_a_build_is_kept_and_loaded_again(
     built = cpu_kernel.library_path(kernel_dir, compiler, cpu_kernel._flags())
     assert built.is_file()
     stamp = built.stat().st_mtime_ns
+    os.utime(built, ns=(0, stamp))  # last loaded long ago
     monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)  # as a new process would
     monkeypatch.setattr(cpu_kernel, "_build", lambda *args: pytest.fail("built again"))
     assert cpu_kernel.load_cpu_kernels(kernel_dir)
     assert built.stat().st_mtime_ns == stamp
+    assert built.stat().st_atime > time.time() - 60  # the load marked it used
     # Another source, torch, compiler or flag set is another file.
     assert cpu_kernel.library_path(kernel_dir, compiler, [*cpu_kernel._flags(), "-g"]) != built
+
+
+def test_builds_no_process_loaded_for_30_days_are_removed(tmp_path: Path) -> None:
+    now = time.time()
+    long_ago = now - cpu_kernel.UNUSED_FOR_S - 60
+
+    def build(name: str, used: float) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"")
+        path.with_suffix(".lock").write_bytes(b"")
+        os.utime(path, (used, used))
+        return path
+
+    keep = build("cpu_kernels-1111.so", long_ago)  # the one being loaded
+    unused = build("cpu_kernels-2222.so", long_ago)
+    renamed = build("decode_attention-3333.so", long_ago)  # the name before the rename
+    recent = build("cpu_kernels-4444.so", now - 3600)
+    foreign = build("libother.so", long_ago)
+    busy = build("cpu_kernels-5555.so", long_ago)
+    with open(busy.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building or loading it
+        removed = cpu_kernel.remove_unused(tmp_path, keep=keep, now=now)
+    assert removed == [unused, renamed]
+    for gone in removed:
+        assert not gone.exists()
+        assert not gone.with_suffix(".lock").exists()
+    for kept in (keep, recent, foreign, busy):
+        assert kept.exists()
+        assert kept.with_suffix(".lock").exists()
 
 
 def test_without_a_compiler_or_with_a_failing_one_sdpa_stays(

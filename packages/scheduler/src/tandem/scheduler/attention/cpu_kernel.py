@@ -7,7 +7,9 @@ fused element-wise ops of the model (``torch.ops.tandem.rms_norm``, ``silu_mul``
 ``rotary``). They are compiled the first time a CPU engine starts on a machine, with
 the C++ compiler found on ``PATH`` against the running torch's headers and libraries,
 into ``<cache>/kernels/`` (the cache of the embedded default model), and loaded into
-the process. Later starts load the built library. A machine without a compiler, or a
+the process. Later starts load the built library; each load marks it used, and builds
+that no process has loaded for ``UNUSED_FOR_S`` (another source, torch or compiler than
+any install on the machine runs now) are removed. A machine without a compiler, or a
 build that fails, keeps the torch formulas (SDPA, the model's element-wise code), with
 a warning. See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
@@ -22,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +38,8 @@ SOURCES = (
 HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by both sources
 COMPILERS = ("c++", "g++", "clang++")
 BUILD_TIMEOUT_S = 600
+UNUSED_FOR_S = 30 * 24 * 3600
+BUILD_PREFIXES = ("cpu_kernels-", "decode_attention-")  # the second: before 0.1.0's rename
 
 
 def loaded() -> bool:
@@ -61,11 +66,49 @@ def load_cpu_kernels(cache_dir: Path) -> bool:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not library.exists():
                 _build(compiler, flags, library)
-        torch.ops.load_library(str(library))
+            torch.ops.load_library(str(library))
+            mark_used(library)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("CPU kernels not built, the forward keeps torch's kernels: %s", exc)
         return False
+    remove_unused(cache_dir, keep=library)
     return True
+
+
+def mark_used(library: Path) -> None:
+    """Set ``library``'s access time to now (its modification time stays the build's):
+    the access time is when a process last loaded it. A library loaded from a file
+    this process may not change stays loaded."""
+    try:
+        os.utime(library, (time.time(), library.stat().st_mtime))
+    except OSError as exc:
+        log.debug("could not mark %s used: %s", library, exc)
+
+
+def remove_unused(cache_dir: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove the builds in ``cache_dir`` other than ``keep`` that no process has
+    loaded for ``UNUSED_FOR_S`` seconds, each with its lock file; one whose lock a
+    process holds (building or loading it) stays. Returns the removed libraries."""
+    now = time.time() if now is None else now
+    removed = []
+    for library in sorted(cache_dir.glob("*.so")):
+        if library == keep or not library.name.startswith(BUILD_PREFIXES):
+            continue
+        lock_path = library.with_suffix(".lock")
+        try:
+            if now - library.stat().st_atime < UNUSED_FOR_S:
+                continue
+            with open(lock_path, "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # in use: BlockingIOError
+                library.unlink()
+            lock_path.unlink(missing_ok=True)
+        except OSError:
+            continue
+        removed.append(library)
+    if removed:
+        days = UNUSED_FOR_S // 86400
+        log.info("removed %d CPU kernel builds unused for %d days", len(removed), days)
+    return removed
 
 
 def library_path(cache_dir: Path, compiler: str, flags: list[str]) -> Path:
