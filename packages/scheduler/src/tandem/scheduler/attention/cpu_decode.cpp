@@ -54,6 +54,7 @@ struct Pair {
   const T* v;
   const float* bias;  // [length], 0 or -inf
   T* out;             // [G, D]
+  int64_t end;        // keys past the last one attended (finite bias) are never read
 };
 
 // Calls attend(pair, buffers) for every (request, KV head) pair of the step, each one
@@ -76,7 +77,10 @@ void for_each_pair(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / kv_heads, h = i % kv_heads;
       const int64_t at = r * request_stride + h * head_stride;
-      attend(Pair<T>{qp + i * head, kp + at, vp + at, bp + r * length, op + i * head}, buffers);
+      const float* row = bp + r * length;
+      int64_t last = length;
+      while (last > 0 && row[last - 1] == kNegInf) --last;
+      attend(Pair<T>{qp + i * head, kp + at, vp + at, row, op + i * head, last}, buffers);
     }
   });
 }
@@ -106,8 +110,7 @@ template <int64_t kDim>
 void attend(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, int64_t groups,
             int64_t length, float scale, float* scores, float* acc) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
-  int64_t end = length;  // keys past the last one attended are never read
-  while (end > 0 && p.bias[end - 1] == kNegInf) --end;
+  const int64_t end = p.end;
   int64_t j = 0;
   for (; j + 4 <= end; j += 4) {
     const float* k0 = p.k + j * key_stride;
@@ -198,6 +201,13 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
 }
 
+// The sixteen float32 sums of each of sums[0..15], lane s holding sums[s]'s: sum16,
+// then one permutation back to the keys' order (so the keys are read in address order).
+inline __m512 dots16(const __m512* sums) {
+  const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(in_order, sum16(sums));
+}
+
 // One (request, KV head) pair in float32 on AVX512, D a multiple of 16 and at most 256,
 // G <= 8: sixteen keys' scores at a time, their partial sums added across registers
 // (sum16) instead of one horizontal sum per key and head, and the weighted values in
@@ -207,12 +217,8 @@ void attend_avx512(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, in
                    int64_t length, float scale, float* scores) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
   const int64_t chunks = dim / 16;
-  int64_t end = length;
-  while (end > 0 && p.bias[end - 1] == kNegInf) --end;
+  const int64_t end = p.end;
   const __m512 scale16 = _mm512_set1_ps(scale);
-  // The keys are read in address order; sum16 leaves key s's sum in lane
-  // (s % 4) * 4 + s / 4, and this permutation puts it back in lane s.
-  const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   int64_t j = 0;
   for (; j + 16 <= end; j += 16) {
     const __m512 bias = _mm512_loadu_ps(p.bias + j);
@@ -227,8 +233,7 @@ void attend_avx512(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, in
         }
         sums[s] = acc;
       }
-      const __m512 dots = _mm512_permutexvar_ps(in_order, sum16(sums));
-      _mm512_storeu_ps(scores + g * length + j, _mm512_fmadd_ps(dots, scale16, bias));
+      _mm512_storeu_ps(scores + g * length + j, _mm512_fmadd_ps(dots16(sums), scale16, bias));
     }
   }
   for (; j < end; ++j) {
@@ -296,8 +301,7 @@ void attend_bf16(const Pair<uint16_t>& p, int64_t key_stride, int64_t dim, int64
                  int64_t length, float scale, float* scores, uint16_t* weights) {
   const int64_t chunks = dim / 32;  // registers of 32 bfloat16s per head
   const int64_t row = length + 1;
-  int64_t end = length;
-  while (end > 0 && p.bias[end - 1] == kNegInf) --end;
+  const int64_t end = p.end;
   for (int64_t g = 0; g < groups; ++g) {
     const uint16_t* qg = p.q + g * dim;
     float* sg = scores + g * row;
@@ -305,8 +309,7 @@ void attend_bf16(const Pair<uint16_t>& p, int64_t key_stride, int64_t dim, int64
     for (; j + 16 <= end; j += 16) {
       __m512 sums[16];
       for (int s = 0; s < 16; ++s) {
-        // Slot s takes the key that sum16 puts in lane s.
-        const uint16_t* key = p.k + (j + (s % 4) * 4 + s / 4) * key_stride;
+        const uint16_t* key = p.k + (j + s) * key_stride;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < chunks; ++c) {
           acc = _mm512_dpbf16_ps(acc, load_bf16(qg + 32 * c), load_bf16(key + 32 * c));
@@ -314,7 +317,7 @@ void attend_bf16(const Pair<uint16_t>& p, int64_t key_stride, int64_t dim, int64
         sums[s] = acc;
       }
       const __m512 bias = _mm512_loadu_ps(p.bias + j);
-      _mm512_storeu_ps(sg + j, _mm512_fmadd_ps(sum16(sums), _mm512_set1_ps(scale), bias));
+      _mm512_storeu_ps(sg + j, _mm512_fmadd_ps(dots16(sums), _mm512_set1_ps(scale), bias));
     }
     for (; j < end; ++j) {
       const uint16_t* key = p.k + j * key_stride;
