@@ -12,11 +12,13 @@ import pytest
 import torch
 from reference_models import VOCAB
 
+from tandem.futuremap import create_stream
 from tandem.scheduler import Engine
 from tandem.scheduler.cli import main
+from tandem.scheduler.cpu_step import CpuStep, ForwardThreads
 from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.models import ModelConfig
-from tandem.scheduler.wiring import LARGE_FORWARD_WEIGHTS, default_forward_threads
+from tandem.scheduler.wiring import LONG_STEP_WEIGHTS, LONG_TOKEN_WEIGHTS, default_forward_threads
 
 PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -24,7 +26,7 @@ PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 def _engine(path: Path, **options: object) -> Engine:
     opts = {"dtype": "float32", "device": "cpu", "disable_overlap_schedule": True}
     opts.update(options)
-    return Engine(model_path=str(path), **opts)  # type: ignore[arg-type]
+    return Engine(model_path=str(path), **opts)
 
 
 def test_cli_generates_with_the_embedded_default_model(
@@ -57,7 +59,7 @@ def test_progress_bar_only_in_a_terminal_and_can_be_disabled(
     real = tqdm.tqdm
 
     def spy(*args: object, **kwargs: object) -> object:
-        created.append(int(kwargs.get("total", 0)))  # type: ignore[arg-type]
+        created.append(int(kwargs.get("total", 0)))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tqdm, "tqdm", spy)
@@ -147,20 +149,30 @@ def test_the_cpu_forward_thread_leaves_a_core_to_the_scheduler(threads: int | No
     caller = torch.get_num_threads()
     options = {} if threads is None else {"cpu_forward_threads": threads}
     with Engine(device="cpu", skip_tokenizer_init=True, **options) as engine:
-        expected = threads or max(1, caller - 1)
+        short = threads or max(1, caller - 1)
         stream = engine.scheduler.runner.stream
-        assert stream.submit(torch.get_num_threads).result() == expected
-        assert engine.get_server_info()["forward_threads"] == expected
+        assert stream.submit(torch.get_num_threads).result() == short
+        info = engine.get_server_info()
+        assert info["forward_threads_short"] == short
+        assert info["forward_threads"] == (threads or caller)
         out = engine.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3})
         assert len(out["output_ids"]) == 3
+        # Every step of the default model is short: a prefill as well as a decode.
+        assert stream.submit(torch.get_num_threads).result() == short
     assert torch.get_num_threads() == caller, "the caller's threads are its own"
 
 
 def test_a_large_model_forward_takes_every_core() -> None:
     small = ModelConfig.from_pretrained(default_model_path())
-    assert small.matmul_weights_per_token < LARGE_FORWARD_WEIGHTS
-    assert default_forward_threads(small, 2) == 1
-    assert default_forward_threads(small, 1) == 1
+    assert small.matmul_weights_per_token < LONG_TOKEN_WEIGHTS
+    threads = default_forward_threads(small, 2)
+    assert (threads.short, threads.long) == (1, 2)
+    # A prefill long enough is long: the weights it multiplies by reach LONG_STEP_WEIGHTS.
+    assert threads.for_tokens(threads.long_from_tokens - 1) == 1
+    assert threads.for_tokens(threads.long_from_tokens) == 2
+    assert threads.long_from_tokens * small.matmul_weights_per_token >= LONG_STEP_WEIGHTS
+    assert (threads.long_from_tokens - 1) * small.matmul_weights_per_token < LONG_STEP_WEIGHTS
+    assert default_forward_threads(small, 1) == ForwardThreads(1, 1, threads.long_from_tokens)
     # A ~100M-parameter Llama: hidden 768, 12 layers, 4 of 12 heads for K/V, vocab 9000.
     large = dataclasses.replace(
         small, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -168,8 +180,29 @@ def test_a_large_model_forward_takes_every_core() -> None:
     )  # fmt: skip
     per_layer = 768 * (768 + 2 * 256) + 768 * 768 + 3 * 768 * 2048
     assert large.matmul_weights_per_token == 12 * per_layer + 768 * 9000
-    assert default_forward_threads(large, 2) == 2
-    assert default_forward_threads(large, 16) == 16
+    assert default_forward_threads(large, 2) == ForwardThreads(1, 2, 1)
+    assert default_forward_threads(large, 16).for_tokens(1) == 16
+
+
+def test_a_cpu_step_runs_on_the_threads_its_tokens_call_for() -> None:
+    seen: list[int] = []
+
+    class Model:
+        def forward_capture(self, input_ids, positions, attention, capture):
+            seen.append(torch.get_num_threads())
+            return input_ids, []
+
+    stream = create_stream(torch.device("cpu"), name="test-forward")
+    try:
+        step = CpuStep(stream, Model(), None, None, ForwardThreads(1, 2, long_from_tokens=4))
+        for tokens in (3, 4, 9, 1):
+            fb = type("Batch", (), {"input_ids": torch.zeros(tokens), "positions": None})()
+            stream.submit(step.forward, fb, []).result()
+        assert seen == [1, 2, 2, 1]
+    finally:
+        stream.close()
+    with pytest.raises(ValueError, match="positive"):
+        ForwardThreads(0, 2)
 
 
 def test_cpu_forward_threads_must_be_positive() -> None:

@@ -70,10 +70,12 @@ class EngineConfig:
             supports them, ``triton``; speculative steps are never captured).
         cuda_graph_max_bs: largest decode batch captured in a CUDA graph; larger
             batches run eagerly. Default: ``min(max_running_requests, 256)``.
-        cpu_forward_threads: intra-op threads of the CPU forward (set on the forward
-            stream's worker thread only); default: torch's intra-op threads for a model
-            of at least 16M weights per token (``wiring.default_forward_threads``), else
-            one fewer, at least 1, which leaves a core to the scheduler thread.
+        cpu_forward_threads: intra-op threads of the CPU forward, every step (set on
+            the forward stream's worker thread only). Default: chosen step by step
+            (``wiring.default_forward_threads``): torch's intra-op threads for a long
+            step (every step of a model of at least 16M weights per token, a prefill of
+            at least 1G weights times tokens of a smaller one), one fewer, at least 1,
+            for a short step, which leaves a core to the scheduler thread.
         disable_cpu_malloc_tuning: leave glibc's allocator at its defaults on the CPU.
             By default a CPU engine raises glibc's mmap and trim thresholds for its
             process, so the memory a forward frees is reused by the next step instead

@@ -4,14 +4,16 @@ The forward stream is the host stream's worker thread and the step's outputs are
 tensors already, so there is no copy: the worker sets each batch's copy-done event
 itself (``StepDone``), at the point ``Handoff`` picks so that the host's Python runs
 beside a forward rather than beside the next batch's preparation. A decode step that
-continues its decode stage replays the ``DecodeTrace``. Why, and what each costs:
-docs/concepts/overlap-loop.md, "The CPU forward stream".
+continues its decode stage replays the ``DecodeTrace``. Each forward runs on the
+intra-op threads ``ForwardThreads`` gives its number of tokens. Why, and what each
+costs: docs/concepts/overlap-loop.md, "The CPU forward stream".
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +24,35 @@ from tandem.scheduler.forward_batch import ForwardBatch
 from tandem.scheduler.messages import LaunchedBatch, ScheduledBatch, StepResult
 from tandem.scheduler.models import CausalLM
 from tandem.scheduler.step_inputs import StepInputs
+
+
+@dataclass(frozen=True)
+class ForwardThreads:
+    """Intra-op threads of the CPU forward, step by step: ``short`` for a step of fewer
+    than ``long_from_tokens`` tokens, ``long`` from there on.
+
+    A step's matrix products grow with its tokens; the host's work beside it barely
+    does. A short step is a chain of short calls as long as the host's Python, and runs
+    best on one core fewer, which leaves the scheduler thread a core of its own; a long
+    one is long products that every core shortens, beside which the host's work is a
+    small share (``wiring.default_forward_threads`` draws the line)."""
+
+    short: int
+    long: int
+    long_from_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.short < 1 or self.long < 1 or self.long_from_tokens < 1:
+            raise ValueError(f"ForwardThreads needs positive counts, got {self}")
+
+    @classmethod
+    def fixed(cls, threads: int) -> ForwardThreads:
+        """``threads`` for every step."""
+        return cls(threads, threads)
+
+    def for_tokens(self, tokens: int) -> int:
+        """The threads of a step of ``tokens`` tokens."""
+        return self.long if tokens >= self.long_from_tokens else self.short
 
 
 class StepDone(Event):
@@ -95,12 +126,15 @@ class CpuStep:
         model: CausalLM,
         attention: AttentionBackend,
         decode_trace: DecodeTrace | None,
+        threads: ForwardThreads | None = None,
     ) -> None:
         self.stream = stream
         self.model = model
         self.attention = attention
         self.decode_trace = decode_trace
+        self.threads = threads
         self.handoff = Handoff()
+        self._threads_set: int | None = None  # the worker's setting, written there only
 
     def launch(self, batch: ScheduledBatch, run: Callable[[], StepResult]) -> LaunchedBatch:
         done = self.handoff.launch()
@@ -129,9 +163,15 @@ class CpuStep:
     def forward(
         self, fb: ForwardBatch, capture: Sequence[int]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The model's forward of the planned batch: replayed by the decode trace when
-        the step is one it covers, else eager."""
+        """The model's forward of the planned batch, on the threads its tokens call for:
+        replayed by the decode trace when the step is one it covers, else eager."""
         self.handoff.release()  # the host's work now runs beside this forward
+        if self.threads is not None:
+            threads = self.threads.for_tokens(fb.input_ids.shape[0])
+            if threads != self._threads_set:
+                # Per thread, as the stream's first setting (wiring._forward_stream).
+                torch.set_num_threads(threads)
+                self._threads_set = threads
         if self.decode_trace is not None and not capture:
             hidden = self.decode_trace.forward(fb)
             if hidden is not None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.scheduler.config import EngineConfig
+from tandem.scheduler.cpu_step import ForwardThreads
 from tandem.scheduler.disagg.protocol import Bootstrap
 from tandem.scheduler.distributed import RankGroup, start_rank_zero
 from tandem.scheduler.engine_loop import EngineLoop
@@ -59,7 +60,7 @@ class Engine:
         self.dtype = parts.dtype
         self.context_length = parts.context_length
         self.forward_threads = parts.forward_threads
-        """Intra-op threads of the CPU forward (None on accelerators)."""
+        """Intra-op threads of the CPU forward, per step (None on accelerators)."""
         self.tokenizer = parts.tokenizer
         self.eos_ids = parts.eos_ids
         self.attention_backend = parts.attention_backend
@@ -220,7 +221,7 @@ class Engine:
             "context_length": self.context_length,
             "attention_backend": self.attention_backend,
             "overlap_schedule": s.overlap,
-            "forward_threads": self.forward_threads,
+            **_forward_threads_info(self.forward_threads),
             "max_total_tokens": kv.capacity_tokens,
             "available_kv_tokens": kv.available_tokens,
             "free_rows": self._parts.req_pool.available,
@@ -332,3 +333,19 @@ class Engine:
         from tqdm import tqdm
 
         return tqdm(total=total, desc="generate", unit="req")
+
+
+def _forward_threads_info(threads: ForwardThreads | None) -> dict[str, int | None]:
+    """``get_server_info``'s view of the CPU forward's threads: a long step's (every
+    core by default), a short step's, and the tokens from which a step is long."""
+    if threads is None:
+        return {
+            "forward_threads": None,
+            "forward_threads_short": None,
+            "forward_threads_long_from_tokens": None,
+        }
+    return {
+        "forward_threads": threads.long,
+        "forward_threads_short": threads.short,
+        "forward_threads_long_from_tokens": threads.long_from_tokens,
+    }

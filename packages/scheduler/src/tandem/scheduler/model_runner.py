@@ -19,7 +19,7 @@ import torch
 
 from tandem.futuremap import DeviceStream, FutureMap, Stream
 from tandem.scheduler.attention import AttentionBackend
-from tandem.scheduler.cpu_step import CpuStep
+from tandem.scheduler.cpu_step import CpuStep, ForwardThreads
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
 from tandem.scheduler.device_step import DeviceStep
@@ -75,6 +75,7 @@ class ModelRunner:
         graphs: DecodeGraphRunner | None = None,
         decode_trace: DecodeTrace | None = None,
         relay: StepRelay | None = None,
+        forward_threads: ForwardThreads | None = None,
     ) -> None:
         self.model = model
         self.req_pool = req_pool
@@ -94,7 +95,7 @@ class ModelRunner:
         self.driver: StepDriver
         self.copy_stream: DeviceStream | None = None  # the CPU's results are on the host
         if self.device.type == "cpu":
-            self.driver = CpuStep(stream, model, attention, decode_trace)
+            self.driver = CpuStep(stream, model, attention, decode_trace, forward_threads)
         else:
             self.copy_stream = copy_stream if copy_stream is not None else DeviceStream(self.device)
             self.driver = DeviceStep(stream, self.copy_stream, model, attention, future_map, graphs)
