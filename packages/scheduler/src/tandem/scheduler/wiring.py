@@ -163,7 +163,7 @@ def _wire(
         load_format=cfg.load_format,
         seed=cfg.random_seed,
         tp=tp,
-        forward_threads=forward_threads.for_tokens(1) if forward_threads else None,
+        forward_threads=None if forward_threads is None else forward_threads.for_tokens(1),
     )
     layout = KVLayout(local.num_hidden_layers, local.num_key_value_heads, local.head_dim, dtype)
     pages = _num_pages(cfg, layout, device, context_length)
