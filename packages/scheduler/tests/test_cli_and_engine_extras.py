@@ -155,6 +155,9 @@ def test_the_cpu_forward_thread_leaves_a_core_to_the_scheduler(threads: int | No
         info = engine.get_server_info()
         assert info["forward_threads_short"] == short
         assert info["forward_threads"] == (threads or caller)
+        policy = engine.forward_threads
+        assert policy is not None
+        assert info["forward_threads_long_from_tokens"] == policy.long_from_tokens
         out = engine.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3})
         assert len(out["output_ids"]) == 3
         # Every step of the default model is short: a prefill as well as a decode.
@@ -195,6 +198,7 @@ def test_a_cpu_step_runs_on_the_threads_its_tokens_call_for() -> None:
     stream = create_stream(torch.device("cpu"), name="test-forward")
     try:
         step = CpuStep(stream, Model(), None, None, ForwardThreads(1, 2, long_from_tokens=4))
+        assert stream.submit(torch.get_num_threads).result() == 1, "set before any step"
         for tokens in (3, 4, 9, 1):
             fb = type("Batch", (), {"input_ids": torch.zeros(tokens), "positions": None})()
             stream.submit(step.forward, fb, []).result()

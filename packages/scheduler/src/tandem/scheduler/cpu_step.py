@@ -135,6 +135,9 @@ class CpuStep:
         self.threads = threads
         self.handoff = Handoff()
         self._threads_set: int | None = None  # the worker's setting, written there only
+        if threads is not None:
+            # Before any step: the worker's first parallel op makes its OpenMP pool.
+            stream.submit(self._set_threads, 1).result()
 
     def launch(self, batch: ScheduledBatch, run: Callable[[], StepResult]) -> LaunchedBatch:
         done = self.handoff.launch()
@@ -151,6 +154,16 @@ class CpuStep:
         self.handoff.finish(done)
         return result
 
+    def _set_threads(self, tokens: int) -> None:
+        """On the worker: its intra-op threads for a step of ``tokens`` tokens (a
+        per-thread setting, so the host's threads keep theirs)."""
+        if self.threads is None:
+            return
+        threads = self.threads.for_tokens(tokens)
+        if threads != self._threads_set:
+            torch.set_num_threads(threads)
+            self._threads_set = threads
+
     def forward_starts(self) -> None:
         """The step's preparation is over: the host's work now runs beside it."""
         self.handoff.release()
@@ -166,12 +179,7 @@ class CpuStep:
         """The model's forward of the planned batch, on the threads its tokens call for:
         replayed by the decode trace when the step is one it covers, else eager."""
         self.handoff.release()  # the host's work now runs beside this forward
-        if self.threads is not None:
-            threads = self.threads.for_tokens(fb.input_ids.shape[0])
-            if threads != self._threads_set:
-                # Per thread, as the stream's first setting (wiring._forward_stream).
-                torch.set_num_threads(threads)
-                self._threads_set = threads
+        self._set_threads(fb.input_ids.shape[0])
         if self.decode_trace is not None and not capture:
             hidden = self.decode_trace.forward(fb)
             if hidden is not None:

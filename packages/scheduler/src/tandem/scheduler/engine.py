@@ -338,14 +338,13 @@ class Engine:
 def _forward_threads_info(threads: ForwardThreads | None) -> dict[str, int | None]:
     """``get_server_info``'s view of the CPU forward's threads: a long step's (every
     core by default), a short step's, and the tokens from which a step is long."""
-    if threads is None:
-        return {
-            "forward_threads": None,
-            "forward_threads_short": None,
-            "forward_threads_long_from_tokens": None,
-        }
+    long, short, from_tokens = (
+        (None, None, None)
+        if threads is None
+        else (threads.long, threads.short, threads.long_from_tokens)
+    )
     return {
-        "forward_threads": threads.long,
-        "forward_threads_short": threads.short,
-        "forward_threads_long_from_tokens": threads.long_from_tokens,
+        "forward_threads": long,
+        "forward_threads_short": short,
+        "forward_threads_long_from_tokens": from_tokens,
     }

@@ -197,7 +197,7 @@ def _wire(
         spec = create_speculative_worker(cfg, target)
         future_map.declare(*spec.relay_fields)
     graphs = _decode_graphs(cfg, model, attention, device)
-    stream = _forward_stream(cfg, device, forward_threads)
+    stream = _forward_stream(cfg, device)
     runner = ModelRunner(
         model=model,
         req_pool=req_pool,
@@ -304,21 +304,15 @@ def default_forward_threads(mc: ModelConfig, cores: int) -> ForwardThreads:
     return ForwardThreads(short=max(1, cores - 1), long=cores, long_from_tokens=tokens)
 
 
-def _forward_stream(
-    cfg: EngineConfig, device: torch.device, threads: ForwardThreads | None
-) -> Stream:
-    """The forward stream. On the CPU its worker thread starts on ``threads``' count for
-    one token, and each step sets its own (``CpuStep.forward``); a per-thread setting:
-    the caller's threads keep theirs."""
-    stream = create_stream(
+def _forward_stream(cfg: EngineConfig, device: torch.device) -> Stream:
+    """The forward stream. On the CPU, ``CpuStep`` sets its worker thread's intra-op
+    threads (a per-thread setting: the caller's threads keep theirs)."""
+    return create_stream(
         device,
         name="tandem-forward",
         max_delay_s=cfg.host_stream_max_delay_ms / 1000.0,
         seed=cfg.host_stream_seed,
     )
-    if threads is not None:
-        stream.submit(torch.set_num_threads, threads.for_tokens(1)).result()
-    return stream
 
 
 def _cpu_kernels(
