@@ -315,6 +315,15 @@ def test_server_info_under_sglangs_names(server: LiveServer) -> None:
     assert info["context_length"] == old["context_length"] > 0
 
 
+def test_both_processes_froze_their_start_up_heap(server: LiveServer) -> None:
+    """The API process and the scheduler process each froze what start-up made, so a
+    full garbage-collector pass no longer walks it (``gc_freeze``): the figures are the
+    objects each froze, torch's and the model's among them."""
+    info = httpx.get(f"{server.url}/get_server_info", timeout=10).json()
+    assert info["api_gc_frozen_objects"] > 10_000
+    assert info["gc_frozen_objects"] > 10_000
+
+
 def test_model_info(server: LiveServer) -> None:
     for path in ("/get_model_info", "/model_info"):
         info = httpx.get(f"{server.url}{path}", timeout=10).json()

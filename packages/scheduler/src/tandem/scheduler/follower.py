@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.distributed import DISCARD, LAUNCH, MASKS, STOP, RankGroup, join
+from tandem.scheduler.gc_freeze import freeze_long_lived
 from tandem.scheduler.messages import GrammarMasks, LaunchedBatch
 from tandem.scheduler.model_runner import ModelRunner
 from tandem.scheduler.wiring import wire
@@ -82,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         group = join(cfg, rank)
         parts = wire(cfg, group)
+        freeze_long_lived()
         follow(parts.scheduler.runner, group)
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)

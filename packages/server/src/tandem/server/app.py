@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.scheduler.gc_freeze import freeze_long_lived
 from tandem.scheduler.tokenizer import Tokenizer
 from tandem.server import gateway, openapi_schemas, parsing, prepare, structured, tool_calls
 from tandem.server.config import ServerConfig
@@ -61,6 +62,7 @@ class ServerState:
     preparer: Preparer
     tool_format: str = "llama3"  # tool_calls.FORMATS; see tool_format_of
     disaggregation_mode: str = "null"  # EngineConfig.disaggregation_mode
+    gc_frozen_objects: int | None = None  # frozen once serving starts (``started``)
 
     @property
     def disaggregated(self) -> bool:
@@ -89,6 +91,14 @@ def ready_line(app: FastAPI, url: str) -> str:
     st: ServerState = app.state.tandem
     device = st.client.info["device"]
     return f'tandem is ready at {url} serving model "{st.model_name}" on {device}'
+
+
+def started(app: FastAPI, url: str) -> str:
+    """``tandem serve``'s API process has started: its long-lived heap is frozen
+    (``tandem.scheduler.gc_freeze``), and the ready line is returned."""
+    st: ServerState = app.state.tandem
+    st.gc_frozen_objects = freeze_long_lived()
+    return ready_line(app, url)
 
 
 def check_disaggregation(engine_kwargs: dict[str, Any], config: ServerConfig) -> str:
@@ -221,6 +231,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
         }  # fmt: skip
         if "state" in holder:
             info["tool_call_parser"] = holder["state"].tool_format
+            info["api_gc_frozen_objects"] = holder["state"].gc_frozen_objects
         return info if authenticated(request) else public_info(info)
 
     gateway.install(app, client, engine_kwargs, config.watchdog_timeout)

@@ -180,7 +180,7 @@ def _check(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from tandem.server.app import check_disaggregation, create_app, ready_line
+    from tandem.server.app import check_disaggregation, create_app, started
     from tandem.server.http_server import CLOSE_GRACE_S, TandemServer
 
     kwargs = engine_kwargs(args)
@@ -216,7 +216,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     server = TandemServer(
         uv_config,
-        lambda url: ready_line(app, url),
+        lambda url: started(app, url),
         app.state.lifecycle,
         lambda: app.state.tandem.client if hasattr(app.state, "tandem") else None,
         config.graceful_shutdown_timeout,

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from tandem.scheduler.disagg import Bootstrap
+from tandem.scheduler.gc_freeze import freeze_long_lived
 from tandem.server import protocol
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def run(engine_kwargs: dict[str, Any], in_addr: str, out_addr: str, parent_pid: 
         ctx.term()
         sys.exit(1)
     outbox = StepSender(steps)
-    push.send(protocol.encode({"type": protocol.READY, "info": _info(engine)}))
+    frozen = freeze_long_lived()
+    push.send(protocol.encode({"type": protocol.READY, "info": _info(engine, frozen)}))
     last_info = 0.0
     failed = False
     try:
@@ -101,7 +103,7 @@ def run(engine_kwargs: dict[str, Any], in_addr: str, out_addr: str, parent_pid: 
                 break
             now = time.monotonic()
             if now - last_info >= _INFO_PERIOD_S:
-                push.send(protocol.encode({"type": protocol.INFO, "info": _info(engine)}))
+                push.send(protocol.encode({"type": protocol.INFO, "info": _info(engine, frozen)}))
                 last_info = now
     finally:
         engine.shutdown()  # joins the loop thread: nothing uses ``steps`` after this
@@ -151,8 +153,9 @@ def _flush_cache(engine: Any, msg: dict[str, Any], push: zmq.Socket[bytes]) -> N
     push.send(protocol.encode(reply))
 
 
-def _info(engine: Any) -> dict[str, Any]:
+def _info(engine: Any, gc_frozen: int) -> dict[str, Any]:
     info = dict(engine.get_server_info())
+    info["gc_frozen_objects"] = gc_frozen
     info["vocab_size"] = engine.model_config.vocab_size
     info["scheduler_pid"] = os.getpid()
     return {k: v for k, v in info.items() if v is None or isinstance(v, str | int | float | bool)}
