@@ -35,13 +35,15 @@ class TandemServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        ready: Callable[[str], str],
+        on_started: Callable[[str], str],
         lifecycle: Lifecycle,
         client: Callable[[], SchedulerClient | None],
         grace_s: float,
     ) -> None:
         super().__init__(config)
-        self.ready = ready
+        # Called with the URL once the server listens; returns the ready line to print
+        # (``app.started``, which also freezes the process's heap).
+        self.on_started = on_started
         self.lifecycle = lifecycle
         self.client = client
         self.grace_s = grace_s
@@ -52,7 +54,7 @@ class TandemServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started and not self.should_exit:
-            print(self.ready(self.url()), file=sys.stderr, flush=True)
+            print(self.on_started(self.url()), file=sys.stderr, flush=True)
 
     def url(self) -> str:
         port = self.servers[0].sockets[0].getsockname()[1]
