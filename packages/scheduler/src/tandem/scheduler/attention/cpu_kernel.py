@@ -1,10 +1,11 @@
 """tandem's CPU kernels: its own C++ ops, built on a machine's first CPU start.
 
-Two sources make one library: ``cpu_decode.cpp``, beside this file, the decode
+Three sources make one library: ``cpu_decode.cpp``, beside this file, the decode
 attention (``torch.ops.tandem.decode_attention``; float32, and bfloat16 on CPUs with
-AVX512-BF16), and ``models/cpu_fused.cpp``, the
-fused element-wise ops of the model (``torch.ops.tandem.rms_norm``, ``silu_mul`` and
-``rotary``). They are compiled the first time a CPU engine starts on a machine, with
+AVX512-BF16); ``models/cpu_fused.cpp``, the fused element-wise ops of the model
+(``torch.ops.tandem.rms_norm``, ``silu_mul`` and ``rotary``); and
+``models/cpu_linear.cpp``, the float32 product for one to four tokens
+(``torch.ops.tandem.linear_few_rows``, on CPUs with AVX-512). They are compiled the first time a CPU engine starts on a machine, with
 the C++ compiler found on ``PATH`` against the running torch's headers and libraries,
 into ``<cache>/kernels/`` (the cache of the embedded default model), and loaded into
 the process. Later starts load the built library; each load marks it used, and builds
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCES = (
     Path(__file__).with_name("cpu_decode.cpp"),
     Path(__file__).parent.parent / "models" / "cpu_fused.cpp",
+    Path(__file__).parent.parent / "models" / "cpu_linear.cpp",
 )
 HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by both sources
 COMPILERS = ("c++", "g++", "clang++")

@@ -26,6 +26,7 @@ from tandem.scheduler.models.packing import (
     make_column_major,
     onednn_available,
     pack_linears,
+    with_few_rows,
     with_onednn,
 )
 from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
@@ -291,6 +292,10 @@ class DecoderModel(nn.Module):
         return out, [outputs[i] for i in capture]
 
 
+def _few_rows(packed: PackedLinear | None) -> PackedLinear | None:
+    return None if packed is None else with_few_rows(packed)
+
+
 class CausalLM(nn.Module):
     """A Llama-family causal LM over packed tokens.
 
@@ -328,10 +333,17 @@ class CausalLM(nn.Module):
         final norm) with tandem's fused CPU ops, ``torch.ops.tandem.rms_norm``,
         ``silu_mul`` and ``rotary`` (``models/cpu_fused.cpp``, registered by the
         caller: see ``attention.cpu_kernel``). The same arithmetic in one pass each;
-        inputs the ops do not take keep the torch formulas."""
+        inputs the ops do not take keep the torch formulas. Float32 products with a
+        oneDNN copy also take ``linear_few_rows`` for one or two tokens
+        (``packing.with_few_rows``; call after ``pack``)."""
         for module in self.model.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.fused = True
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv, attn.o = _few_rows(attn.qkv), _few_rows(attn.o)
+            mlp.gate_up, mlp.down = _few_rows(mlp.gate_up), _few_rows(mlp.down)
+        self.head = _few_rows(self.head)
 
     def pack(
         self,

@@ -11,6 +11,7 @@ parameters from what the forward reads. See docs/guides/adding-a-model.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,16 +31,20 @@ class PackedLinear:
     sizes: tuple[int, ...]
     # The same weight reordered into oneDNN's blocked layout (CPU only, see
     # ``with_onednn``), or None; ``dense_up_to``: batches of at most this many tokens
-    # still multiply by ``weight``.
+    # still multiply by ``weight``; ``few_rows_up_to``: batches of at most this many
+    # take tandem's own product (``with_few_rows``) instead of either.
     onednn: torch.Tensor | None = None
     dense_up_to: int = 0
+    few_rows_up_to: int = 0
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each layer's output, as views of one ``[..., sum(sizes)]`` result."""
-        if self.onednn is not None:
-            y = _cpu_linear()(x, self.weight, self.onednn, self.bias, self.dense_up_to)
-        else:
+        if self.onednn is None:
             y = F.linear(x, self.weight, self.bias)
+        elif self.few_rows_up_to:
+            y = _cpu_linear_few_rows()(x, self.weight, self.onednn, self.bias, self.few_rows_up_to)
+        else:
+            y = _cpu_linear()(x, self.weight, self.onednn, self.bias, self.dense_up_to)
         return y.split(self.sizes, dim=-1)
 
 
@@ -55,16 +60,39 @@ def _cpu_linear_source(
     return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
 
 
+def _cpu_linear_few_rows_source(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    onednn: torch.Tensor,
+    bias: torch.Tensor | None,
+    few_rows_up_to: int,
+) -> torch.Tensor:
+    if x.size(0) <= few_rows_up_to:
+        return torch.ops.tandem.linear_few_rows(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+
+
+def _script(source: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    with warnings.catch_warnings():
+        # torch 2.13 deprecates TorchScript; see decode_trace for why it is still used.
+        warnings.filterwarnings("ignore", r"`torch\.jit\.script", DeprecationWarning)
+        return torch.jit.script(source)  # type: ignore[no-any-return]
+
+
 @functools.cache
 def _cpu_linear() -> Callable[..., torch.Tensor]:
     """``_cpu_linear_source`` compiled by TorchScript, once per process. The decode
     trace records a call to it as one node (it could not record the oneDNN op's empty
     list of optional scalars), and the batch-size test stays a test at every replay
     instead of the branch taken when the trace was recorded."""
-    with warnings.catch_warnings():
-        # torch 2.13 deprecates TorchScript; see decode_trace for why it is still used.
-        warnings.filterwarnings("ignore", r"`torch\.jit\.script", DeprecationWarning)
-        return torch.jit.script(_cpu_linear_source)  # type: ignore[no-any-return]
+    return _script(_cpu_linear_source)
+
+
+@functools.cache
+def _cpu_linear_few_rows() -> Callable[..., torch.Tensor]:
+    """``_cpu_linear_few_rows_source`` compiled as ``_cpu_linear`` is; only once
+    tandem's CPU kernels are registered (TorchScript resolves the op when it compiles)."""
+    return _script(_cpu_linear_few_rows_source)
 
 
 ONEDNN_BATCH_HINT = 32
@@ -103,6 +131,34 @@ def dense_up_to(dtype: torch.dtype, forward_threads: int) -> int:
     model's products for one token: 17.1 against 20.0 ms on one thread, 17.0 against
     13.8 ms on two). bfloat16 is faster on the copy at every batch."""
     return 1 if dtype == torch.float32 and forward_threads == 1 else 0
+
+
+FEW_ROWS_UP_TO = 2
+"""The largest float32 batch that ``with_few_rows`` sends to tandem's own product. The
+~100M benchmark model's products on two threads, per decode step: 11.0 against oneDNN's
+13.9 ms for one token, 11.8 against 15.2 for two; from three tokens on oneDNN's are
+the faster (12.0 ms at four)."""
+
+
+def few_rows_available() -> bool:
+    """Whether tandem's few-token product is registered: its CPU kernels are loaded
+    (``attention.cpu_kernel``) and were built with AVX-512, which the op needs."""
+    return hasattr(torch.ops.tandem, "linear_few_rows")
+
+
+def with_few_rows(packed: PackedLinear) -> PackedLinear:
+    """``packed`` multiplying batches of at most ``FEW_ROWS_UP_TO`` tokens with
+    ``torch.ops.tandem.linear_few_rows`` (``models/cpu_linear.cpp``), which reads the
+    column-major weight once at the rate the machine streams memory; larger batches
+    keep the oneDNN copy. Unchanged unless ``packed`` has a oneDNN copy of a float32,
+    column-major weight and the op is registered."""
+    weight = packed.weight
+    column_major = weight.dim() == 2 and weight.t().is_contiguous()
+    if packed.onednn is None or weight.dtype != torch.float32 or not column_major:
+        return packed
+    if not few_rows_available():
+        return packed
+    return dataclasses.replace(packed, few_rows_up_to=FEW_ROWS_UP_TO)
 
 
 def _empty_weight(rows: int, cols: int, like: torch.Tensor, column_major: bool) -> torch.Tensor:
