@@ -83,6 +83,8 @@ def test_linear_few_rows_refuses_what_it_does_not_take() -> None:
         op(torch.randn(1, 3), weight, None)
     with pytest.raises(RuntimeError, match="the bias"):
         op(torch.randn(1, 4), weight, torch.randn(7))
+    with pytest.raises(RuntimeError, match="an empty weight"):
+        op(torch.randn(1, 4), torch.empty(4, 0).t(), None)
 
 
 def _packed(model: CausalLM) -> list[packing.PackedLinear]:

@@ -322,7 +322,8 @@ def _cpu_kernels(
     start on a machine) the forward uses: the decode attention (the ``torch`` backend;
     float32, or bfloat16 on a CPU with AVX512-BF16 and heads it takes) unless
     ``disable_cpu_decode_kernel``, and the model's fused element-wise ops (float32 or
-    bfloat16) unless ``disable_cpu_fused_ops``. Neither off the CPU, nor where the
+    bfloat16; with them, float32 products for one or two tokens) unless
+    ``disable_cpu_fused_ops``. Neither off the CPU, nor where the
     kernels cannot be built."""
     if device.type != "cpu":
         return False, False

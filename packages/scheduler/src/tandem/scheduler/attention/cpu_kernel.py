@@ -5,14 +5,15 @@ attention (``torch.ops.tandem.decode_attention``; float32, and bfloat16 on CPUs 
 AVX512-BF16); ``models/cpu_fused.cpp``, the fused element-wise ops of the model
 (``torch.ops.tandem.rms_norm``, ``silu_mul`` and ``rotary``); and
 ``models/cpu_linear.cpp``, the float32 product for one to four tokens
-(``torch.ops.tandem.linear_few_rows``, on CPUs with AVX-512). They are compiled the first time a CPU engine starts on a machine, with
-the C++ compiler found on ``PATH`` against the running torch's headers and libraries,
-into ``<cache>/kernels/`` (the cache of the embedded default model), and loaded into
-the process. Later starts load the built library; each load marks it used, and builds
-that no process has loaded for ``UNUSED_FOR_S`` (another source, torch or compiler than
-any install on the machine runs now) are removed. A machine without a compiler, or a
-build that fails, keeps the torch formulas (SDPA, the model's element-wise code), with
-a warning. See docs/guides/adding-an-attention-backend.md, "The two backends".
+(``torch.ops.tandem.linear_few_rows``, on CPUs with AVX-512). They are compiled the
+first time a CPU engine starts on a machine, with the C++ compiler found on ``PATH``
+against the running torch's headers and libraries, into ``<cache>/kernels/`` (the cache
+of the embedded default model), and loaded into the process. Later starts load the built
+library; each load marks it used, and builds that no process has loaded for
+``UNUSED_FOR_S`` (another source, torch or compiler than any install on the machine runs
+now) are removed. A machine without a compiler, or a build that fails, keeps the torch
+formulas (SDPA, the model's element-wise code), with a warning. See
+docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
               weight.scalar_type());
   TORCH_CHECK(weight.dim() == 2, "tandem::linear_few_rows: the weight is [out, in]");
   const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N > 0 && K > 0, "tandem::linear_few_rows: an empty weight");
   TORCH_CHECK(weight.stride(0) == 1 && (weight.stride(1) == N || K == 1),
               "tandem::linear_few_rows: the weight must be column-major (packing.make_column_major)");
   TORCH_CHECK(x.size(-1) == K, "tandem::linear_few_rows: x has ", x.size(-1),
