@@ -1,5 +1,5 @@
-// tandem's float32 product for a few tokens: y = x @ weight^T (+ bias) for x of one to
-// four rows, reading the weight once, in its column-major storage, at the rate the
+// tandem's float32 product for a few tokens: y = x @ weight^T (+ bias) for x of one or
+// two rows, reading the weight once, in its column-major storage, at the rate the
 // machine streams memory.
 //
 // Built with the decode kernel by tandem/scheduler/attention/cpu_kernel.py and
@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int64_t kRows = 8;  // rows of weight^T per pass over a column block
-constexpr int64_t kMaxTokens = 4;
+constexpr int64_t kMaxTokens = 2;  // from three on, oneDNN's products are the faster
 
 // Columns [n, n + 16 * V) of y's M rows over weight^T rows [k0, k1); `first`: start
 // from the bias (or zero) instead of the sums so far. Masked: one vector whose valid
@@ -94,7 +94,7 @@ void column_block(const float* x, int64_t K, const float* wt, int64_t N, const f
 
 template <int M>
 void product(const float* x, int64_t K, const float* wt, int64_t N, const float* bias, float* y) {
-  constexpr int V = M <= 2 ? 4 : 2;  // accumulators: M * V registers of 16 lanes
+  constexpr int V = 4;  // accumulators: M * V registers of 16 lanes
   // Blocks of whole vectors, handed out evenly: each thread one contiguous range.
   const int64_t vectors = (N + 15) / 16;
   at::parallel_for(0, vectors, 1, [&](int64_t begin, int64_t end) {
@@ -117,7 +117,7 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
               " features, the weight takes ", K);
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxTokens, "tandem::linear_few_rows takes 1 to ", kMaxTokens,
+  TORCH_CHECK(M >= 1 && M <= kMaxTokens, "tandem::linear_few_rows takes 1 or ", kMaxTokens,
               " tokens, got ", M);
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -129,11 +129,10 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
   const float* xp = rows.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: product<1>(xp, K, wp, N, bp, yp); break;
-    case 2: product<2>(xp, K, wp, N, bp, yp); break;
-    case 3: product<3>(xp, K, wp, N, bp, yp); break;
-    default: product<4>(xp, K, wp, N, bp, yp); break;
+  if (M == 1) {
+    product<1>(xp, K, wp, N, bp, yp);
+  } else {
+    product<2>(xp, K, wp, N, bp, yp);
   }
   auto shape = x.sizes().vec();
   shape.back() = N;

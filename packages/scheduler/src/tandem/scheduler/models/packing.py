@@ -134,7 +134,8 @@ def dense_up_to(dtype: torch.dtype, forward_threads: int) -> int:
 
 
 FEW_ROWS_UP_TO = 2
-"""The largest float32 batch that ``with_few_rows`` sends to tandem's own product. The
+"""The largest float32 batch that ``with_few_rows`` sends to tandem's own product (the
+most it takes). The
 ~100M benchmark model's products on two threads, per decode step: 11.0 against oneDNN's
 13.9 ms for one token, 11.8 against 15.2 for two; from three tokens on oneDNN's are
 the faster (12.0 ms at four)."""
@@ -153,7 +154,7 @@ def with_few_rows(packed: PackedLinear) -> PackedLinear:
     keep the oneDNN copy. Unchanged unless ``packed`` has a oneDNN copy of a float32,
     column-major weight and the op is registered."""
     weight = packed.weight
-    column_major = weight.dim() == 2 and weight.t().is_contiguous()
+    column_major = weight.t().is_contiguous()
     if packed.onednn is None or weight.dtype != torch.float32 or not column_major:
         return packed
     if not few_rows_available():
