@@ -150,6 +150,52 @@ def test_a_stop_token_costs_one_overshoot_step_and_its_slot_comes_back(
     assert after["overshoot_steps"] - before["overshoot_steps"] == 1
 
 
+def _staggered(engine: Engine, prompts: list[list[int]], gap_s: float | None) -> list[list[int]]:
+    """The first prompt streamed from one thread and the rest sent together from another,
+    ``gap_s`` later, or (``None``) once the first has its first token."""
+    params = {**GREEDY, "max_new_tokens": 6}
+    outs: list[list[int]] = []
+    first_token = threading.Event()
+
+    def first() -> None:
+        ids: list[int] = []
+        for chunk in engine.generate(input_ids=prompts[0], sampling_params=params, stream=True):
+            ids += chunk["output_ids"]
+            first_token.set()
+        outs.insert(0, ids)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    if gap_s is None:
+        assert first_token.wait(60)
+    else:
+        time.sleep(gap_s)
+    rest = engine.generate(input_ids=prompts[1:], sampling_params=params)
+    thread.join(60)
+    return outs + [o["output_ids"] for o in rest]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_sent_together_to_an_idle_engine_prefill_as_one_batch(
+    checkpoints: dict[str, Path], overlap: bool
+) -> None:
+    path = checkpoints["llama"]
+    prompts = _prompts(8, 3)
+    expected, _ = _run(path, overlap, prompts, {**GREEDY, "max_new_tokens": 6})
+    # The admission window holds the first step for requests a few ms behind the first.
+    with _engine(path, overlap, admission_window_ms=1000) as engine:
+        got = _staggered(engine, prompts, gap_s=0.03)
+        info = _idle_clean(engine)
+    assert got == expected
+    assert info["prefill_steps"] == 1
+    # Without it the first prompt is prefilled alone.
+    with _engine(path, overlap, admission_window_ms=0) as engine:
+        got = _staggered(engine, prompts, gap_s=None)
+        info = _idle_clean(engine)
+    assert got == expected
+    assert info["prefill_steps"] == 2
+
+
 def test_figures_are_reported(checkpoints: dict[str, Path]) -> None:
     with _engine(checkpoints["qwen2"], True) as engine:
         engine.generate(input_ids=_prompts(4, 4), sampling_params={**GREEDY, "max_new_tokens": 8})

@@ -23,6 +23,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 COMPILE_CHECKS: tuple[str, ...] = typing.get_args(CompileChecks)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "torch")
+MAX_ADMISSION_WINDOW_MS = 1000
 
 
 def _from_env(pick: Callable[[TandemEnv], Any]) -> Any:
@@ -60,6 +61,10 @@ class EngineConfig:
             on CUDA and ROCm machines with Triton installed, ``torch`` elsewhere.
         schedule_policy: ``fcfs`` (first come, first served) or ``lpm`` (longest
             cached prefix first; needs the radix cache).
+        admission_window_ms: when a request reaches an idle engine, wait until no other
+            has arrived for this many milliseconds (at most four times it in all)
+            before the first step, so that requests sent together are prefilled as one
+            batch; 0 steps at once.
         disable_overlap_schedule: run the normal loop (launch, wait, process) instead
             of the overlap loop (launch N+1, then process N).
         disable_radix_cache: no prefix sharing across requests.
@@ -159,6 +164,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     attention_backend: str | None = None
     schedule_policy: str = "fcfs"
+    admission_window_ms: float = 4.0
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
@@ -226,6 +232,13 @@ class EngineConfig:
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError(
                 f"chunked_prefill_size must be >= 1 or -1 (off), got {self.chunked_prefill_size}"
+            )
+        window = self.admission_window_ms
+        if isinstance(window, bool) or not isinstance(window, int | float):
+            raise ValueError(f"admission_window_ms must be a number, got {window!r}")
+        if not 0 <= window <= MAX_ADMISSION_WINDOW_MS:
+            raise ValueError(
+                f"admission_window_ms must be in [0, {MAX_ADMISSION_WINDOW_MS}], got {window!r}"
             )
         frac = self.mem_fraction_static
         if frac is not None and not 0 < frac < 1:

@@ -67,7 +67,11 @@ class Engine:
         self.scheduler = parts.scheduler
         self._tokenizer_dir = Path(self.config.tokenizer_path or self.model_path)
         self._closed = False
-        self._loop = EngineLoop(self.scheduler, speculative=self.config.speculative)
+        self._loop = EngineLoop(
+            self.scheduler,
+            speculative=self.config.speculative,
+            admission_window_s=self.config.admission_window_ms / 1000,
+        )
         if self.scheduler.disagg is not None:
             self.scheduler.disagg.inbox.wake = self._loop.wake
         no_grammar = self._no_grammar()

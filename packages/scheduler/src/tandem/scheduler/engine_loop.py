@@ -1,8 +1,10 @@
 """The loop thread: runs the scheduler and hands each step's output to its waiters.
 
 Callers talk to it through an inbox (add, abort, flush, stop), which it drains between
-steps; it blocks on the inbox only when the scheduler has no work. If the loop dies,
-every waiter gets the exception and later calls are refused.
+steps; it blocks on the inbox only when the scheduler has no work. When a request wakes
+an idle loop, the loop holds its first step for the admission window, so that requests
+sent together, which reach it a few milliseconds apart, are prefilled as one batch. If
+the loop dies, every waiter gets the exception and later calls are refused.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,13 +31,23 @@ _FLUSH_DRAIN_ITERATIONS = 8
 """Iterations a flush may run to land the batches still in flight for finished requests
 (one or two in practice) before it gives up."""
 
+ADMISSION_WINDOW_SPAN = 4
+"""The admission window closes at this many windows after the request that woke the loop,
+however many requests keep arriving."""
+
 
 class EngineLoop:
     """The scheduler's thread and the waiters of the requests it runs."""
 
-    def __init__(self, scheduler: Scheduler, *, speculative: bool) -> None:
+    def __init__(
+        self, scheduler: Scheduler, *, speculative: bool, admission_window_s: float = 0.0
+    ) -> None:
         self.scheduler = scheduler
         self.speculative = speculative
+        self.admission_window_s = admission_window_s
+        """How long an idle loop, woken by a request, waits for the next before its
+        first step (each arrival waits again, up to ``ADMISSION_WINDOW_SPAN`` windows
+        in all); 0 steps at once."""
         self.waiters: dict[str, Waiter] = {}
         """Waiters by request id, until the request finishes."""
         self.failure: BaseException | None = None
@@ -76,6 +89,8 @@ class EngineLoop:
                 timeout = _PEER_POLL_S if not block and self.scheduler.waits_on_peers() else None
                 if not self._drain_inbox(block or timeout is not None, timeout):
                     break
+                if block and self.scheduler.has_work() and not self._admission_window():
+                    break
                 self._deliver(self.scheduler.iterate())
         except BaseException as exc:
             log.exception("scheduler loop failed")
@@ -100,18 +115,42 @@ class EngineLoop:
             except queue.Empty:
                 return True
             block = False
-            if kind == "stop":
+            if not self._take(kind, item):
                 return False
-            if kind == "add":
-                self.scheduler.add(item)
-            elif kind == "abort":
-                self.scheduler.abort(item)
-            elif kind == "flush":
-                try:
-                    item.set_result(self._flush())
-                except BaseException as exc:
-                    item.set_exception(exc)
-                    raise
+
+    def _admission_window(self) -> bool:
+        """An idle loop was woken by a request: take what arrives until none has come for
+        a window (at most ``ADMISSION_WINDOW_SPAN`` windows), so that a burst's requests
+        are prefilled together rather than the first alone and the rest after it.
+        ``False`` when asked to stop."""
+        window = self.admission_window_s
+        if window <= 0:
+            return True
+        close = time.monotonic() + window * ADMISSION_WINDOW_SPAN
+        while (left := close - time.monotonic()) > 0:
+            try:
+                kind, item = self._inbox.get(timeout=min(window, left))
+            except queue.Empty:
+                return True
+            if not self._take(kind, item):
+                return False
+        return self._drain_inbox(block=False)
+
+    def _take(self, kind: str, item: Any) -> bool:
+        """Act on one inbox message; ``False`` for stop."""
+        if kind == "stop":
+            return False
+        if kind == "add":
+            self.scheduler.add(item)
+        elif kind == "abort":
+            self.scheduler.abort(item)
+        elif kind == "flush":
+            try:
+                item.set_result(self._flush())
+            except BaseException as exc:
+                item.set_exception(exc)
+                raise
+        return True
 
     def _flush(self) -> bool:
         """The radix cache emptied at idle. What remains of finished requests (a batch in
