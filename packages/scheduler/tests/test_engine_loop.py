@@ -1,6 +1,7 @@
 """The loop thread's admission window, over a scheduler that only records what each step
 was given: a burst that wakes an idle loop is taken whole, the window closes when
-arrivals stop or after its span, a busy loop never waits, and stop ends a window."""
+requests stop coming (aborts do not hold it open) or after its span, a busy loop never
+waits, and stop ends a window."""
 
 from __future__ import annotations
 
@@ -136,6 +137,19 @@ def test_the_window_closes_after_its_span_while_requests_keep_coming(make_loop: 
     assert len(launches) > 1, "the window never closed"
     assert launches[0][0] == "r0"
     assert len(launches[0]) < sent
+
+
+def test_aborts_do_not_hold_the_window_open(make_loop: Any) -> None:
+    window = 0.5
+    loop, scheduler = make_loop(window_s=window)
+    sent = _add(loop, "r0")
+    # Aborts of unknown ids, a fifth of a window apart, for the whole span.
+    while time.monotonic() - sent < ADMISSION_WINDOW_SPAN * window:
+        loop.abort("gone")
+        time.sleep(window / 5)
+    _wait_for(lambda: scheduler.launches())
+    launched = scheduler.steps[0][0]
+    assert window <= launched - sent < 0.75 * ADMISSION_WINDOW_SPAN * window
 
 
 def test_a_busy_loop_takes_new_requests_at_its_next_step(make_loop: Any) -> None:

@@ -119,21 +119,25 @@ class EngineLoop:
                 return False
 
     def _admission_window(self) -> bool:
-        """An idle loop was woken by a request: take what arrives until none has come for
-        a window (at most ``ADMISSION_WINDOW_SPAN`` windows), so that a burst's requests
-        are prefilled together rather than the first alone and the rest after it.
+        """An idle loop was woken by a request: take what arrives until no request has
+        come for a window (at most ``ADMISSION_WINDOW_SPAN`` windows), so that a burst's
+        requests are prefilled together rather than the first alone and the rest after
+        it. Other messages (aborts, wakes) are taken but do not hold the window open.
         ``False`` when asked to stop."""
         window = self.admission_window_s
         if window <= 0:
             return True
-        close = time.monotonic() + window * ADMISSION_WINDOW_SPAN
-        while (left := close - time.monotonic()) > 0:
+        now = time.monotonic()
+        close, quiet = now + window * ADMISSION_WINDOW_SPAN, now + window
+        while (left := min(close, quiet) - time.monotonic()) > 0:
             try:
-                kind, item = self._inbox.get(timeout=min(window, left))
+                kind, item = self._inbox.get(timeout=left)
             except queue.Empty:
                 return True
             if not self._take(kind, item):
                 return False
+            if kind == "add":
+                quiet = time.monotonic() + window
         return self._drain_inbox(block=False)
 
     def _take(self, kind: str, item: Any) -> bool:
