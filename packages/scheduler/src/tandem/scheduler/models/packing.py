@@ -135,10 +135,9 @@ def dense_up_to(dtype: torch.dtype, forward_threads: int) -> int:
 
 FEW_ROWS_UP_TO = 2
 """The largest float32 batch that ``with_few_rows`` sends to tandem's own product (the
-most it takes). The
-~100M benchmark model's products on two threads, per decode step: 11.0 against oneDNN's
-13.9 ms for one token, 11.8 against 15.2 for two; from three tokens on oneDNN's are
-the faster (12.0 ms at four)."""
+most it takes). The ~100M benchmark model's products on two threads, per decode step:
+11.0 against oneDNN's 13.9 ms for one token, 11.8 against 15.2 for two; from three
+tokens on oneDNN's are the faster (12.0 ms at four)."""
 
 
 def few_rows_available() -> bool:
