@@ -1,10 +1,11 @@
-"""tandem's float32 product for a few tokens (``torch.ops.tandem.linear_few_rows``, built
-from ``models/cpu_linear.cpp`` on CPUs with AVX-512): against ``F.linear`` on the
-column-major weights the model keeps, at both row counts it takes and with row tails
-that are not a multiple of its vectors; the inputs it refuses; the packed projections
-that take it (``packing.with_few_rows``) and only for one or two tokens; and an engine's
-tokens with it equal to its tokens without, in both loops, through the decode trace.
-On a CPU without AVX-512 the op does not exist and nothing takes it."""
+"""tandem's float32 product (``torch.ops.tandem.linear_panels``, built from
+``models/cpu_linear.cpp`` on CPUs with AVX-512) over weights in panels
+(``packing.to_panels``): against ``F.linear`` at row counts below, at and above its
+tiles and chunks, and at output sizes that end mid-panel or mid-vector; the inputs it
+refuses; the packed products that take it (``packing.with_panels``) at every batch,
+float32 only; and an engine's tokens with it equal to its tokens without, in both
+loops, through the decode trace. On a CPU without AVX-512 the op does not exist and
+nothing takes it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tandem.scheduler import Engine
 from tandem.scheduler.attention import cpu_kernel
 from tandem.scheduler.default_model import cache_root, default_model_path
 from tandem.scheduler.models import CausalLM, load_model, packing
-from tandem.scheduler.models.packing import FEW_ROWS_UP_TO, few_rows_available
+from tandem.scheduler.models.packing import PANEL_COLUMNS, panels_available, to_panels
 
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
@@ -30,61 +31,82 @@ def kernels() -> None:
     assert cpu_kernel.load_cpu_kernels(cache_root() / "kernels")
 
 
-def _column_major(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """A ``[rows, cols]`` float32 weight stored column-major, as ``pack`` leaves it."""
+def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(cols, rows, generator=gen).t()
+    return torch.randn(rows, cols, generator=gen)
 
 
 def test_the_op_exists_exactly_on_avx512() -> None:
-    assert few_rows_available() == AVX512
+    assert panels_available() == AVX512
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize(("rows", "cols"), [(9000, 768), (1280, 768), (100, 2048), (17, 5), (1, 3)])
+def test_panels_hold_the_weight_columns_in_address_order() -> None:
+    weight = _weight(100, 7, seed=0)
+    panels = to_panels(weight)
+    assert panels.shape == (3, 7, PANEL_COLUMNS)
+    assert panels.is_contiguous()
+    for p in range(3):
+        cols = weight.t()[:, p * PANEL_COLUMNS : (p + 1) * PANEL_COLUMNS]
+        torch.testing.assert_close(panels[p, :, : cols.shape[1]], cols, rtol=0, atol=0)
+    assert not panels[2, :, 100 - 2 * PANEL_COLUMNS :].any()  # zero past the last row
+    assert to_panels(weight.t().contiguous().t()).equal(panels)  # any storage order
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 2, 7, 8, 9, 31, 64, 65, 96, 200])
+@pytest.mark.parametrize(
+    ("rows", "cols"), [(9000, 768), (1280, 768), (100, 2048), (17, 5), (1, 3), (64, 64)]
+)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_linear_few_rows_equals_f_linear(tokens: int, rows: int, cols: int, bias: bool) -> None:
+def test_linear_panels_equals_f_linear(tokens: int, rows: int, cols: int, bias: bool) -> None:
     if not AVX512:
         return  # test_the_op_exists_exactly_on_avx512 checks it is absent
-    weight = _column_major(rows, cols, seed=rows + cols)
+    if rows == 9000 and tokens > 9:
+        return  # the head only ever multiplies a step's sampled rows; spare the time
+    weight = _weight(rows, cols, seed=rows + cols)
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, cols, generator=gen)
     b = torch.randn(rows, generator=gen) if bias else None
-    got = torch.ops.tandem.linear_few_rows(x, weight, b)
+    got = torch.ops.tandem.linear_panels(x, to_panels(weight), b, rows)
     # float32 sums in another order: within a few units in the last place of |x| |w|.
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=2e-5 * cols**0.5)
 
 
-def test_linear_few_rows_keeps_leading_dimensions_and_reads_strided_rows() -> None:
+def test_linear_panels_keeps_leading_dimensions_and_reads_strided_rows() -> None:
     if not AVX512:
         return
-    weight = _column_major(40, 24, seed=1)
-    x = torch.randn(2, 48)[:, ::2]  # rows strided
-    got = torch.ops.tandem.linear_few_rows(x, weight, None)
+    weight = _weight(40, 24, seed=1)
+    panels = to_panels(weight)
+    x = torch.randn(10, 48)[:, ::2]  # rows strided
+    got = torch.ops.tandem.linear_panels(x, panels, None, 40)
     torch.testing.assert_close(got, F.linear(x, weight))
-    x3 = torch.randn(1, 1, 24)
-    got = torch.ops.tandem.linear_few_rows(x3, weight, None)
-    assert got.shape == (1, 1, 40)
+    x3 = torch.randn(2, 3, 24)
+    got = torch.ops.tandem.linear_panels(x3, panels, None, 40)
+    assert got.shape == (2, 3, 40)
     torch.testing.assert_close(got, F.linear(x3, weight))
 
 
-def test_linear_few_rows_refuses_what_it_does_not_take() -> None:
+def test_linear_panels_refuses_what_it_does_not_take() -> None:
     if not AVX512:
         return
-    weight = _column_major(8, 4, seed=2)
-    op = torch.ops.tandem.linear_few_rows
-    with pytest.raises(RuntimeError, match="column-major"):
-        op(torch.randn(1, 4), weight.contiguous(), None)
-    with pytest.raises(RuntimeError, match="1 or 2 tokens"):
-        op(torch.randn(3, 4), weight, None)
+    panels = to_panels(_weight(50, 4, seed=2))  # two panels: 49 to 96 outputs
+    op = torch.ops.tandem.linear_panels
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="in panels of 48"):
+        op(x, panels.transpose(1, 2).contiguous(), None, 50)
+    with pytest.raises(RuntimeError, match="in panels of 48"):
+        op(x, panels.transpose(0, 1), None, 50)  # not contiguous
     with pytest.raises(RuntimeError, match="takes float32"):
-        op(torch.randn(1, 4).bfloat16(), weight.bfloat16(), None)
+        op(x.bfloat16(), panels.bfloat16(), None, 50)
     with pytest.raises(RuntimeError, match="x has 3 features"):
-        op(torch.randn(1, 3), weight, None)
+        op(torch.randn(1, 3), panels, None, 50)
     with pytest.raises(RuntimeError, match="the bias"):
-        op(torch.randn(1, 4), weight, torch.randn(7))
+        op(x, panels, torch.randn(7), 50)
+    with pytest.raises(RuntimeError, match="hold 49 to 96 output features, not 48"):
+        op(x, panels, None, 48)
+    with pytest.raises(RuntimeError, match="not 97"):
+        op(x, panels, None, 97)
     with pytest.raises(RuntimeError, match="an empty weight"):
-        op(torch.randn(1, 4), torch.empty(4, 0).t(), None)
+        op(torch.randn(1, 0), torch.empty(1, 0, PANEL_COLUMNS), None, 1)
 
 
 def _packed(model: CausalLM) -> list[packing.PackedLinear]:
@@ -104,7 +126,7 @@ def _logits_and_ops(model: CausalLM, n: int) -> tuple[torch.Tensor, set[str]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_packed_products_take_the_op_for_one_or_two_tokens(dtype: torch.dtype) -> None:
+def test_packed_float32_products_take_the_op_at_every_batch(dtype: torch.dtype) -> None:
     config = tiny_model_config(architectures=["LlamaForCausalLM"])
     model = load_model(None, config, dtype=dtype, device="cpu", load_format="dummy")
     model.pack(onednn=True, forward_threads=2)
@@ -113,24 +135,30 @@ def test_packed_products_take_the_op_for_one_or_two_tokens(dtype: torch.dtype) -
     model.use_fused_cpu_ops()
     plain.use_fused_cpu_ops()  # the same element-wise ops, unpacked products
     takes = AVX512 and dtype == torch.float32
-    assert {p.few_rows_up_to for p in _packed(model)} == {FEW_ROWS_UP_TO if takes else 0}
-    for n in (1, 2, 3, 9):
+    packed = _packed(model)
+    assert all((p.panels is not None) == takes for p in packed)
+    assert all((p.onednn is None) == takes for p in packed)  # the panels replace the copy
+    assert len(model.packed_weights()) == 4 * len(model.model.layers)
+    for n in (1, 2, 3, 9, 33):
         logits, ops = _logits_and_ops(model, n)
         want, _ = _logits_and_ops(plain, n)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(logits, want, rtol=tol, atol=tol)
-        assert ("tandem::linear_few_rows" in ops) == (takes and n <= FEW_ROWS_UP_TO)
+        assert ("tandem::linear_panels" in ops) == takes
 
 
-def test_a_tied_head_keeps_onednn() -> None:
+def test_a_tied_head_takes_panels_of_the_embedding() -> None:
     config = tiny_model_config(architectures=["LlamaForCausalLM"], tie_word_embeddings=True)
     model = load_model(None, config, dtype=torch.float32, device="cpu", load_format="dummy")
     model.pack(onednn=True, forward_threads=2)
     model.use_fused_cpu_ops()
     assert model.head is not None
-    assert model.head.few_rows_up_to == 0  # the embedding's rows are not column-major
-    assert model.model.layers[0].mlp.down is not None
-    assert model.model.layers[0].mlp.down.few_rows_up_to == (FEW_ROWS_UP_TO if AVX512 else 0)
+    assert (model.head.panels is not None) == AVX512
+    if AVX512:
+        embedding = model.model.embed_tokens.weight
+        assert model.head.panels.equal(to_panels(embedding))
+        hidden = torch.randn(3, embedding.shape[1])
+        torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, embedding))
 
 
 def _wide_checkpoint(folder: Path) -> Path:
@@ -172,19 +200,19 @@ def test_engine_tokens_with_the_op_equal_tokens_without(
     path = _wide_checkpoint(tmp_path / "wide")
     with_op, engine = _tokens(path, overlap)
     model = engine.scheduler.runner.model
-    assert {p.few_rows_up_to for p in _packed(model)} == {FEW_ROWS_UP_TO if AVX512 else 0}
+    assert all((p.panels is not None) == AVX512 for p in _packed(model))
     # The forward runs on the engine's worker thread, out of the profiler's sight: the
     # engine's own packed product, called here, shows that it takes the op.
     down = _packed(model)[3]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         down(torch.randn(1, down.weight.shape[1]))
     ops = {event.key for event in prof.key_averages()}
-    assert ("tandem::linear_few_rows" in ops) == AVX512
+    assert ("tandem::linear_panels" in ops) == AVX512
     trace = engine.scheduler.runner.decode_trace
     assert trace is not None
     assert trace.replays > 0
-    monkeypatch.setattr(packing, "FEW_ROWS_UP_TO", 0)
+    monkeypatch.setattr(packing, "panels_available", lambda: False)
     without, reference = _tokens(path, overlap)
-    assert {p.few_rows_up_to for p in _packed(reference.scheduler.runner.model)} == {0}
+    assert all(p.panels is None for p in _packed(reference.scheduler.runner.model))
     assert with_op == without
     assert [len(ids) for ids in with_op] == [40, 40, 12, 25]

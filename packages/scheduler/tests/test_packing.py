@@ -94,7 +94,7 @@ def test_cpu_projections_multiply_by_a_onednn_copy_at_every_batch(
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down, model.head]
     assert all(p is not None and p.onednn is not None for p in packed)
-    assert len(model.onednn_weights()) == 4 * len(model.model.layers)
+    assert len(model.packed_weights()) == 4 * len(model.model.layers)
     # A float32 token on a one-thread forward takes MKL's product on the column-major
     # weight; every other batch takes oneDNN's.
     single = 1 if dtype == torch.float32 and forward_threads == 1 else 0

@@ -72,7 +72,7 @@ class DecodeTrace:
 
     def __init__(self, model: CausalLM, attention: TorchAttention) -> None:
         self._module = _StagedForward(model, attention.decode_kernel)
-        self._weights = model.onednn_weights()
+        self._weights = model.packed_weights()
         self._attention = attention
         self._traced: torch.jit.ScriptModule | None = None
         self._failed = False  # recording failed: every step runs eagerly

@@ -26,8 +26,8 @@ from tandem.scheduler.models.packing import (
     make_column_major,
     onednn_available,
     pack_linears,
-    with_few_rows,
     with_onednn,
+    with_panels,
 )
 from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 from tandem.scheduler.models.tensor_parallel import (
@@ -292,8 +292,8 @@ class DecoderModel(nn.Module):
         return out, [outputs[i] for i in capture]
 
 
-def _few_rows(packed: PackedLinear | None) -> PackedLinear | None:
-    return None if packed is None else with_few_rows(packed)
+def _panels(packed: PackedLinear | None) -> PackedLinear | None:
+    return None if packed is None else with_panels(packed)
 
 
 class CausalLM(nn.Module):
@@ -334,16 +334,16 @@ class CausalLM(nn.Module):
         ``silu_mul`` and ``rotary`` (``models/cpu_fused.cpp``, registered by the
         caller: see ``attention.cpu_kernel``). The same arithmetic in one pass each;
         inputs the ops do not take keep the torch formulas. Float32 products with a
-        oneDNN copy also take ``linear_few_rows`` for one or two tokens
-        (``packing.with_few_rows``; call after ``pack``)."""
+        oneDNN copy trade it for panels and tandem's own product, ``linear_panels``
+        (``packing.with_panels``; call after ``pack``)."""
         for module in self.model.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.fused = True
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv, attn.o = _few_rows(attn.qkv), _few_rows(attn.o)
-            mlp.gate_up, mlp.down = _few_rows(mlp.gate_up), _few_rows(mlp.down)
-        self.head = _few_rows(self.head)
+            attn.qkv, attn.o = _panels(attn.qkv), _panels(attn.o)
+            mlp.gate_up, mlp.down = _panels(mlp.gate_up), _panels(mlp.down)
+        self.head = _panels(self.head)
 
     def pack(
         self,
@@ -376,12 +376,14 @@ class CausalLM(nn.Module):
             rows = self.lm_head.weight.shape[0]
             self.head = with_onednn(PackedLinear(self.lm_head.weight, None, (rows,)), threads)
 
-    def onednn_weights(self) -> tuple[torch.Tensor, ...]:
-        """Every weight the forward reads in oneDNN's layout (empty unless packed so)."""
+    def packed_weights(self) -> tuple[torch.Tensor, ...]:
+        """Every weight copy the layers' forward reads: oneDNN's layout or panels
+        (empty unless packed so)."""
         packed: list[PackedLinear | None] = []
         for layer in self.model.layers:
             packed += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
-        return tuple(p.onednn for p in packed if p is not None and p.onednn is not None)
+        copies = [(p.onednn, p.panels) for p in packed if p is not None]
+        return tuple(w for pair in copies for w in pair if w is not None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

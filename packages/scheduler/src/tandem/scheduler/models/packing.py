@@ -11,7 +11,6 @@ parameters from what the forward reads. See docs/guides/adding-a-model.md.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,18 +30,19 @@ class PackedLinear:
     sizes: tuple[int, ...]
     # The same weight reordered into oneDNN's blocked layout (CPU only, see
     # ``with_onednn``), or None; ``dense_up_to``: batches of at most this many tokens
-    # still multiply by ``weight``; ``few_rows_up_to``: batches of at most this many
-    # take tandem's own product (``with_few_rows``) instead of either.
+    # still multiply by ``weight``.
     onednn: torch.Tensor | None = None
     dense_up_to: int = 0
-    few_rows_up_to: int = 0
+    # The same weight in panels (``to_panels``) for tandem's own float32 product,
+    # which then takes every batch (``with_panels``), or None.
+    panels: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each layer's output, as views of one ``[..., sum(sizes)]`` result."""
-        if self.onednn is None:
+        if self.panels is not None:
+            y = torch.ops.tandem.linear_panels(x, self.panels, self.bias, sum(self.sizes))
+        elif self.onednn is None:
             y = F.linear(x, self.weight, self.bias)
-        elif self.few_rows_up_to:
-            y = _cpu_linear_few_rows()(x, self.weight, self.onednn, self.bias, self.few_rows_up_to)
         else:
             y = _cpu_linear()(x, self.weight, self.onednn, self.bias, self.dense_up_to)
         return y.split(self.sizes, dim=-1)
@@ -60,18 +60,6 @@ def _cpu_linear_source(
     return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
 
 
-def _cpu_linear_few_rows_source(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    onednn: torch.Tensor,
-    bias: torch.Tensor | None,
-    few_rows_up_to: int,
-) -> torch.Tensor:
-    if x.size(0) <= few_rows_up_to:
-        return torch.ops.tandem.linear_few_rows(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
-
-
 def _script(source: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     with warnings.catch_warnings():
         # torch 2.13 deprecates TorchScript; see decode_trace for why it is still used.
@@ -86,13 +74,6 @@ def _cpu_linear() -> Callable[..., torch.Tensor]:
     list of optional scalars), and the batch-size test stays a test at every replay
     instead of the branch taken when the trace was recorded."""
     return _script(_cpu_linear_source)
-
-
-@functools.cache
-def _cpu_linear_few_rows() -> Callable[..., torch.Tensor]:
-    """``_cpu_linear_few_rows_source`` compiled as ``_cpu_linear`` is; only once
-    tandem's CPU kernels are registered (TorchScript resolves the op when it compiles)."""
-    return _script(_cpu_linear_few_rows_source)
 
 
 ONEDNN_BATCH_HINT = 32
@@ -133,32 +114,39 @@ def dense_up_to(dtype: torch.dtype, forward_threads: int) -> int:
     return 1 if dtype == torch.float32 and forward_threads == 1 else 0
 
 
-FEW_ROWS_UP_TO = 2
-"""The largest float32 batch that ``with_few_rows`` sends to tandem's own product (the
-most it takes). The ~100M benchmark model's products on two threads, per decode step:
-11.0 against oneDNN's 13.9 ms for one token, 11.8 against 15.2 for two; from three
-tokens on oneDNN's are the faster (12.0 ms at four)."""
+PANEL_COLUMNS = 48
+"""Output columns per panel of ``to_panels``: the width ``models/cpu_linear.cpp`` reads."""
 
 
-def few_rows_available() -> bool:
-    """Whether tandem's few-token product is registered: its CPU kernels are loaded
+def panels_available() -> bool:
+    """Whether tandem's float32 product is registered: its CPU kernels are loaded
     (``attention.cpu_kernel``) and were built with AVX-512, which the op needs."""
-    return hasattr(torch.ops.tandem, "linear_few_rows")
+    return hasattr(torch.ops.tandem, "linear_panels")
 
 
-def with_few_rows(packed: PackedLinear) -> PackedLinear:
-    """``packed`` multiplying batches of at most ``FEW_ROWS_UP_TO`` tokens with
-    ``torch.ops.tandem.linear_few_rows`` (``models/cpu_linear.cpp``), which reads the
-    column-major weight once at the rate the machine streams memory; larger batches
-    keep the oneDNN copy. Unchanged unless ``packed`` has a oneDNN copy of a float32,
-    column-major weight and the op is registered."""
+@torch.no_grad()
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A ``[out, in]`` weight as ``[ceil(out / PANEL_COLUMNS), in, PANEL_COLUMNS]``,
+    contiguous: panel ``p`` is columns ``p * PANEL_COLUMNS`` onwards of ``weight.t()``,
+    zero past ``out``, so that a product reads each panel in address order."""
+    rows, cols = weight.shape
+    count = -(-rows // PANEL_COLUMNS)
+    padded = weight.new_zeros(count * PANEL_COLUMNS, cols)
+    padded[:rows].copy_(weight)
+    return padded.view(count, PANEL_COLUMNS, cols).transpose(1, 2).contiguous()
+
+
+def with_panels(packed: PackedLinear) -> PackedLinear:
+    """``packed`` multiplying every batch with ``torch.ops.tandem.linear_panels``
+    (``models/cpu_linear.cpp``) over a copy of its weight in panels, in place of its
+    oneDNN copy (which it drops): on a 2-core AVX-512 CPU a ~100M model's layer
+    products take 8.5 against 15.2 ms at 8 tokens, 25.5 against 27.9 at 32, 47.1
+    against 51.6 at 64, and as long or less for a prefill. Unchanged unless ``packed``
+    has a oneDNN copy of a float32 weight and the op is registered."""
     weight = packed.weight
-    column_major = weight.t().is_contiguous()
-    if packed.onednn is None or weight.dtype != torch.float32 or not column_major:
+    if packed.onednn is None or weight.dtype != torch.float32 or not panels_available():
         return packed
-    if not few_rows_available():
-        return packed
-    return dataclasses.replace(packed, few_rows_up_to=FEW_ROWS_UP_TO)
+    return PackedLinear(weight, packed.bias, packed.sizes, panels=to_panels(weight))
 
 
 def _empty_weight(rows: int, cols: int, like: torch.Tensor, column_major: bool) -> torch.Tensor:
