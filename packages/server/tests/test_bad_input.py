@@ -61,10 +61,15 @@ def user(content: Any) -> list[dict[str, Any]]:
 # -- 1. preparation off the event loop ---------------------------------------------------------
 def test_health_answers_while_a_big_prompt_is_tokenized(server: LiveServer) -> None:
     """67 prompts of 30,000 characters (2 MB of JSON, under the body limit) take the
-    tokenizer most of a second; /health, polled four at a time meanwhile, stays fast."""
+    tokenizer most of a second; /health, polled four at a time meanwhile, stays fast.
+    Tokenized on the event loop, a poll would wait about as long as the whole request:
+    the bound is a third of that (at least 0.1 s), which a loaded 2-core machine's
+    scheduling noise stays under (0.13 s seen once under a full parallel test run)."""
     prompts = [(WORDS * 400)[:30_000] for _ in range(67)]
+    elapsed = 0.0
 
     async def main() -> tuple[httpx.Response, list[float]]:
+        nonlocal elapsed
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
 
             async def health() -> float:
@@ -74,6 +79,7 @@ def test_health_answers_while_a_big_prompt_is_tokenized(server: LiveServer) -> N
                 return time.perf_counter() - start
 
             await asyncio.gather(*(health() for _ in range(4)))  # open the connections
+            start = time.perf_counter()
             big = asyncio.create_task(
                 client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 1})
             )
@@ -81,7 +87,9 @@ def test_health_answers_while_a_big_prompt_is_tokenized(server: LiveServer) -> N
             while not big.done():
                 latencies += await asyncio.gather(*(health() for _ in range(4)))
                 await asyncio.sleep(0.02)
-            return await big, latencies
+            response = await big
+            elapsed = time.perf_counter() - start
+            return response, latencies
 
     response, latencies = asyncio.run(asyncio.wait_for(main(), 60))
     # The prompts were tokenized: each is too long for the context in tokens, not characters.
@@ -89,7 +97,7 @@ def test_health_answers_while_a_big_prompt_is_tokenized(server: LiveServer) -> N
     assert error["code"] == "context_length_exceeded"
     assert "tokens" in error["message"]
     assert len(latencies) >= 8, latencies
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    assert max(latencies) < max(0.1, elapsed / 3), (elapsed, sorted(latencies)[-5:])
 
 
 # -- 2. the character-length precheck ----------------------------------------------------------
