@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t kPanel = 48;     // output columns per panel: three vectors of 16
 constexpr int64_t kTileRows = 8;   // rows of x per tile: 8 x 3 sums in registers
 constexpr int64_t kChunkRows = 64; // most rows of x per work item, with one panel
+static_assert(kTileRows == 8, "panel_rows' tail cases cover 1 to kTileRows - 1 rows");
 
 // y[0:MR, 0:16V) = x[0:MR, :] @ panel (+ bias); the last vector's valid lanes are `lanes`.
 template <int MR, int V>
@@ -78,7 +79,6 @@ void panel_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* 
     case 7: tile<7, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
     default: break;
   }
-  static_assert(kTileRows == 8, "the tail cases above cover 1 to kTileRows - 1 rows");
 }
 
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,

@@ -382,8 +382,8 @@ class CausalLM(nn.Module):
         packed: list[PackedLinear | None] = []
         for layer in self.model.layers:
             packed += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
-        copies = [(p.onednn, p.panels) for p in packed if p is not None]
-        return tuple(w for pair in copies for w in pair if w is not None)
+        copies = (w for p in packed if p is not None for w in (p.onednn, p.panels))
+        return tuple(w for w in copies if w is not None)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
