@@ -71,10 +71,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 # -- server and tokenizer -------------------------------------------------------------------------
+async def _get_json(client: Any, url: str) -> Any:
+    async with client.get(url) as response:
+        response.raise_for_status()
+        return await response.json(content_type=None)
+
+
 async def _models(client: Any, base_url: str) -> list[dict[str, Any]]:
-    response = await client.get(f"{base_url}/v1/models")
-    response.raise_for_status()
-    return list(response.json().get("data") or [])
+    return list((await _get_json(client, f"{base_url}/v1/models")).get("data") or [])
 
 
 async def _tandem_tokenizer(client: Any, base_url: str) -> Any:
@@ -82,7 +86,7 @@ async def _tandem_tokenizer(client: Any, base_url: str) -> Any:
     from tokenizers import Tokenizer
 
     try:
-        info = (await client.get(f"{base_url}/get_server_info")).json()
+        info = await _get_json(client, f"{base_url}/get_server_info")
         path = Path(str(info.get("model_path"))) / "tokenizer.json"
         if path.is_file():
             return Tokenizer.from_file(str(path))
@@ -150,16 +154,16 @@ async def send(client: Any, url: str, body: dict[str, Any], prompt_len: int) -> 
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with client.post(url, json=body) as response:
+            if response.status != 200:
+                out.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return out
-            async for line in response.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
+            # Server-sent events, one line at a time; only ``data:`` lines carry chunks.
+            async for raw in response.content:
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 event = json.loads(data)
                 if "error" in event:
@@ -282,19 +286,21 @@ def format_report(result: dict[str, Any]) -> str:
 
 # -- entry point ----------------------------------------------------------------------------------
 async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    import httpx
+    import aiohttp
 
     base = args.base_url.rstrip("/")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.timeout)
     key = args.api_key or default_api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with httpx.AsyncClient(
-        timeout=timeout, limits=limits, trust_env=False, headers=headers
+    # No cap on connections (--max-concurrency is the cap) and no proxies from the
+    # environment (aiohttp's trust_env is off by default).
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=args.timeout),
+        headers=headers,
     ) as client:
         try:
             models = await _models(client, base)
-        except (httpx.HTTPError, ValueError) as exc:
+        except (aiohttp.ClientError, ValueError) as exc:
             parser.error(f"argument --base-url: cannot list models at {base}: {exc}")
         if not args.model and not models:
             parser.error("argument --model: the server lists no model")
