@@ -1,11 +1,11 @@
-"""tandem's float32 product (``torch.ops.tandem.linear_panels``, built from
-``models/cpu_linear.cpp`` on CPUs with AVX-512) over weights in panels
-(``packing.to_panels``): against ``F.linear`` at row counts below, at and above its
-tiles and chunks, and at output sizes that end mid-panel or mid-vector; the inputs it
-refuses; the packed products that take it (``packing.with_panels``) at every batch,
-float32 only; and an engine's tokens with it equal to its tokens without, in both
-loops, through the decode trace. On a CPU without AVX-512 the op does not exist and
-nothing takes it."""
+"""tandem's product (``torch.ops.tandem.linear_panels``, built from
+``models/cpu_linear.cpp`` on CPUs with AVX-512; bfloat16 with AVX512_BF16 too) over
+weights in panels (``packing.to_panels``): against ``F.linear`` at row counts below, at
+and above its tiles and chunks, at output sizes that end mid-panel or mid-vector and,
+in bfloat16, at odd input sizes; the inputs it refuses; the packed products that take
+it (``packing.with_panels``) at every batch; and an engine's tokens with it equal to its
+tokens without, in both loops, through the decode trace. On a CPU without AVX-512 the
+op does not exist and nothing takes it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from tandem.scheduler.models import CausalLM, load_model, packing
 from tandem.scheduler.models.packing import PANEL_COLUMNS, panels_available, to_panels
 
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+BF16 = AVX512 and cpu_kernel.bf16_decode()  # the kernels are built with AVX512_BF16
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,6 +39,22 @@ def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 def test_the_op_exists_exactly_on_avx512() -> None:
     assert panels_available() == AVX512
+    assert panels_available(torch.bfloat16) == BF16
+    assert not panels_available(torch.float16)
+
+
+def test_bfloat16_panels_hold_pairs_of_inputs_side_by_side() -> None:
+    weight = _weight(50, 5, seed=3).bfloat16()
+    panels = to_panels(weight)
+    assert panels.shape == (2, 3, 2 * PANEL_COLUMNS)  # 5 inputs: 3 pairs, the last half
+    assert panels.is_contiguous()
+    pairs = panels.view(2, 3, PANEL_COLUMNS, 2)
+    for p in range(2):
+        for col in range(min(PANEL_COLUMNS, 50 - p * PANEL_COLUMNS)):
+            row = weight[p * PANEL_COLUMNS + col]
+            assert pairs[p, :, col].flatten()[:5].equal(row)
+    assert not pairs[:, 2, :, 1].any()  # the odd input's missing partner
+    assert not pairs[1, :, 50 - PANEL_COLUMNS :].any()  # zero past the last row
 
 
 def test_panels_hold_the_weight_columns_in_address_order() -> None:
@@ -71,6 +88,28 @@ def test_linear_panels_equals_f_linear(tokens: int, rows: int, cols: int, bias: 
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=2e-5 * cols**0.5)
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 7, 8, 9, 64, 65, 96])
+@pytest.mark.parametrize(
+    ("rows", "cols"), [(1280, 768), (100, 2048), (17, 5), (1, 3), (64, 64), (49, 1)]
+)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_bfloat16_linear_panels_equals_f_linear(
+    tokens: int, rows: int, cols: int, bias: bool
+) -> None:
+    if not BF16:
+        return  # test_the_op_exists_exactly_on_avx512 checks it refuses bfloat16
+    weight = _weight(rows, cols, seed=rows + cols).bfloat16()
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, cols, generator=gen).bfloat16()
+    b = torch.randn(rows, generator=gen).bfloat16() if bias else None
+    got = torch.ops.tandem.linear_panels(x, to_panels(weight), b, rows)
+    assert got.dtype == torch.bfloat16
+    # float32 sums of exact products, rounded once: the float32 reference's rounding,
+    # give or take one unit in bfloat16's last place where the two sums straddle it.
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-5 * cols**0.5)
+
+
 def test_linear_panels_keeps_leading_dimensions_and_reads_strided_rows() -> None:
     if not AVX512:
         return
@@ -95,8 +134,10 @@ def test_linear_panels_refuses_what_it_does_not_take() -> None:
         op(x, panels.transpose(1, 2).contiguous(), None, 50)
     with pytest.raises(RuntimeError, match="in panels of 48"):
         op(x, panels.transpose(0, 1), None, 50)  # not contiguous
-    with pytest.raises(RuntimeError, match="takes float32"):
-        op(x.bfloat16(), panels.bfloat16(), None, 50)
+    with pytest.raises(RuntimeError, match="takes float32 or bfloat16"):
+        op(x.half(), panels.half(), None, 50)
+    with pytest.raises(RuntimeError, match="x and weight alike"):
+        op(x.bfloat16(), panels, None, 50)
     with pytest.raises(RuntimeError, match="x has 3 features"):
         op(torch.randn(1, 3), panels, None, 50)
     with pytest.raises(RuntimeError, match="the bias"):
@@ -107,6 +148,17 @@ def test_linear_panels_refuses_what_it_does_not_take() -> None:
         op(x, panels, None, 97)
     with pytest.raises(RuntimeError, match="an empty weight"):
         op(torch.randn(1, 0), torch.empty(1, 0, PANEL_COLUMNS), None, 1)
+    if not BF16:
+        with pytest.raises(RuntimeError, match="bfloat16 needs AVX512_BF16"):
+            op(x.bfloat16(), to_panels(_weight(50, 4, seed=2).bfloat16()), None, 50)
+        return
+    pairs = to_panels(_weight(50, 4, seed=2).bfloat16())
+    with pytest.raises(RuntimeError, match="in panels of 48"):
+        op(x.bfloat16(), panels.bfloat16(), None, 50)  # a float32 layout
+    with pytest.raises(RuntimeError, match="x has 5 features, the weight takes 3 or 4"):
+        op(torch.randn(1, 5).bfloat16(), pairs, None, 50)
+    with pytest.raises(RuntimeError, match="the bias"):
+        op(x.bfloat16(), pairs, torch.randn(50), 50)  # float32
 
 
 def _packed(model: CausalLM) -> list[packing.PackedLinear]:
@@ -126,7 +178,7 @@ def _logits_and_ops(model: CausalLM, n: int) -> tuple[torch.Tensor, set[str]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_packed_float32_products_take_the_op_at_every_batch(dtype: torch.dtype) -> None:
+def test_packed_products_take_the_op_at_every_batch(dtype: torch.dtype) -> None:
     config = tiny_model_config(architectures=["LlamaForCausalLM"])
     model = load_model(None, config, dtype=dtype, device="cpu", load_format="dummy")
     model.pack(onednn=True, forward_threads=2)
@@ -134,7 +186,7 @@ def test_packed_float32_products_take_the_op_at_every_batch(dtype: torch.dtype) 
     plain.load_state_dict(model.state_dict())
     model.use_fused_cpu_ops()
     plain.use_fused_cpu_ops()  # the same element-wise ops, unpacked products
-    takes = AVX512 and dtype == torch.float32
+    takes = BF16 if dtype == torch.bfloat16 else AVX512
     packed = _packed(model)
     assert all((p.panels is not None) == takes for p in packed)
     assert all((p.onednn is None) == takes for p in packed)  # the panels replace the copy
@@ -173,11 +225,11 @@ def _wide_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def _tokens(path: Path, overlap: bool) -> tuple[list[list[int]], Engine]:
+def _tokens(path: Path, overlap: bool, dtype: str) -> tuple[list[list[int]], Engine]:
     engine = Engine(
         model_path=str(path),
         load_format="dummy",
-        dtype="float32",
+        dtype=dtype,
         skip_tokenizer_init=True,
         disable_progress_bar=True,
         disable_overlap_schedule=not overlap,
@@ -193,26 +245,28 @@ def _tokens(path: Path, overlap: bool) -> tuple[list[list[int]], Engine]:
         engine.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_engine_tokens_with_the_op_equal_tokens_without(
-    overlap: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    overlap: bool, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    takes = BF16 if dtype == "bfloat16" else AVX512
     path = _wide_checkpoint(tmp_path / "wide")
-    with_op, engine = _tokens(path, overlap)
+    with_op, engine = _tokens(path, overlap, dtype)
     model = engine.scheduler.runner.model
-    assert all((p.panels is not None) == AVX512 for p in _packed(model))
+    assert all((p.panels is not None) == takes for p in _packed(model))
     # The forward runs on the engine's worker thread, out of the profiler's sight: the
     # engine's own packed product, called here, shows that it takes the op.
     down = _packed(model)[3]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        down(torch.randn(1, down.weight.shape[1]))
+        down(torch.randn(1, down.weight.shape[1], dtype=down.weight.dtype))
     ops = {event.key for event in prof.key_averages()}
-    assert ("tandem::linear_panels" in ops) == AVX512
+    assert ("tandem::linear_panels" in ops) == takes
     trace = engine.scheduler.runner.decode_trace
     assert trace is not None
     assert trace.replays > 0
-    monkeypatch.setattr(packing, "panels_available", lambda: False)
-    without, reference = _tokens(path, overlap)
+    monkeypatch.setattr(packing, "panels_available", lambda *_: False)
+    without, reference = _tokens(path, overlap, dtype)
     assert all(p.panels is None for p in _packed(reference.scheduler.runner.model))
     assert with_op == without
     assert [len(ids) for ids in with_op] == [40, 40, 12, 25]

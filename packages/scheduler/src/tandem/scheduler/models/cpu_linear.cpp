@@ -23,6 +23,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
+#include <string>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -81,26 +83,114 @@ void panel_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* 
   }
 }
 
+#if defined(__AVX512BF16__)
+// The bfloat16 product: the same tiles over panels of k-pairs. Panel p is a contiguous
+// [ceil(K / 2), 48, 2] block (packing.to_panels): for each pair of input features
+// (2j, 2j + 1), the 48 columns' two weights side by side, zero past N and, for an odd
+// K, in the last pair's second place. One vdpbf16ps multiplies a broadcast pair of x by
+// 16 columns' pairs and adds both products to float32 sums, twice the work of a float32
+// FMA per instruction over half the bytes; the sums are rounded to bfloat16 once, at
+// the store, as oneDNN's bfloat16 products do.
+
+// 16 bfloat16 values (the `lanes` of them) as float32.
+inline __m512 load_bf16(const at::BFloat16* p, __mmask16 lanes) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(lanes, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// x[m, 2j] and x[m, 2j + 1] as one 32-bit lane, repeated; only x[m, 2j] when 2j + 1 is K.
+inline __m512bh pair(const at::BFloat16* row, int64_t j, int64_t K) {
+  uint32_t bits;
+  if (2 * j + 1 < K) {
+    std::memcpy(&bits, row + 2 * j, sizeof(bits));
+  } else {
+    uint16_t low;
+    std::memcpy(&low, row + 2 * j, sizeof(low));
+    bits = low;
+  }
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+}
+
+template <int MR, int V>
+inline void tile_bf16(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat16* panel,
+                      const at::BFloat16* bias, at::BFloat16* y, int64_t ldy, __mmask16 lanes) {
+  const auto mask = [lanes](int v) { return v == V - 1 ? lanes : __mmask16(0xFFFF); };
+  __m512 acc[MR][V];
+  for (int v = 0; v < V; ++v) {
+    const __m512 start = bias != nullptr ? load_bf16(bias + 16 * v, mask(v)) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m][v] = start;
+  }
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh w[V];
+    for (int v = 0; v < V; ++v) {
+      w[v] = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel + 32 * v);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xj = pair(x + m * ldx, j, K);
+      for (int v = 0; v < V; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xj, w[v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < V; ++v) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][v]);
+      _mm256_mask_storeu_epi16(y + m * ldy + 16 * v, mask(v), out);
+    }
+  }
+}
+
+template <int V>
+void panel_rows_bf16(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K,
+                     const at::BFloat16* panel, const at::BFloat16* bias, at::BFloat16* y,
+                     int64_t ldy, __mmask16 lanes) {
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) {
+    tile_bf16<kTileRows, V>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, lanes);
+  }
+  const at::BFloat16* xm = x + m * ldx;
+  at::BFloat16* ym = y + m * ldy;
+  switch (M - m) {
+    case 1: tile_bf16<1, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 2: tile_bf16<2, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 3: tile_bf16<3, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 4: tile_bf16<4, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 5: tile_bf16<5, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 6: tile_bf16<6, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 7: tile_bf16<7, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    default: break;
+  }
+}
+#endif  // __AVX512BF16__
+
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "tandem::linear_panels takes float32, got ", x.scalar_type(), " and ",
-              panels.scalar_type());
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && panels.scalar_type() == x.scalar_type(),
+              "tandem::linear_panels takes float32 or bfloat16 (x and weight alike), got ",
+              x.scalar_type(), " and ", panels.scalar_type());
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(!bf16, "tandem::linear_panels: bfloat16 needs AVX512_BF16, not in this build");
+#endif
+  const int64_t width = bf16 ? 2 * kPanel : kPanel;  // a bfloat16 panel row is a k-pair
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == width && panels.is_contiguous(),
               "tandem::linear_panels: the weight must be in panels of ", kPanel,
-              " columns, a contiguous [P, in, ", kPanel, "] tensor (packing.to_panels)");
-  const int64_t P = panels.size(0), K = panels.size(1), N = out_features;
-  TORCH_CHECK(P > 0 && K > 0, "tandem::linear_panels: an empty weight");
+              " columns, a contiguous ", bf16 ? "[P, ceil(in / 2), 96]" : "[P, in, 48]",
+              " tensor (packing.to_panels)");
+  const int64_t P = panels.size(0), depth = panels.size(1), N = out_features;
+  TORCH_CHECK(P > 0 && depth > 0, "tandem::linear_panels: an empty weight");
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "tandem::linear_panels: ", P,
               " panels hold ", (P - 1) * kPanel + 1, " to ", P * kPanel,
               " output features, not ", N);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "tandem::linear_panels: x has ",
-              x.dim() >= 1 ? x.size(-1) : 0, " features, the weight takes ", K);
-  const float* bp = nullptr;
+  const int64_t K = x.dim() >= 1 ? x.size(-1) : 0;
+  TORCH_CHECK(K > 0 && (bf16 ? (K + 1) / 2 : K) == depth, "tandem::linear_panels: x has ", K,
+              " features, the weight takes ", bf16 ? 2 * depth - 1 : depth,
+              bf16 ? " or " + std::to_string(2 * depth) : std::string());
+  const void* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
-                "tandem::linear_panels: the bias is a contiguous float32 [out]");
-    bp = bias->data_ptr<float>();
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N &&
+                    bias->is_contiguous(),
+                "tandem::linear_panels: the bias is a contiguous [out] of x's dtype");
+    bp = bias->data_ptr();
   }
   const at::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
@@ -108,12 +198,12 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   auto shape = x.sizes().vec();
   shape.back() = N;
   if (M == 0) return y.view(shape);
-  const float* xp = rows.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   // Work items: (chunk of rows, panel), panels inner, handed out evenly: a few tokens'
   // step splits the panels between the threads, a prefill its rows. The chunks are of
   // equal size (96 rows: two of 48, not 64 and 32).
+  const void* xv = rows.data_ptr();
+  const void* pv = panels.data_ptr();
+  void* yv = y.data_ptr();
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = (M + chunks - 1) / chunks;
   at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
@@ -125,15 +215,30 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
       const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
       const int64_t vectors = (cols + 15) / 16, tail = cols - 16 * (vectors - 1);
       const __mmask16 lanes = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
-      const float* xm = xp + m0 * K;
-      const float* panel = pp + p * K * kPanel;
-      const float* b = bp != nullptr ? bp + n0 : nullptr;
-      float* ym = yp + m0 * N + n0;
-      switch (vectors) {
-        case 1: panel_rows<1>(xm, K, m, K, panel, b, ym, N, lanes); break;
-        case 2: panel_rows<2>(xm, K, m, K, panel, b, ym, N, lanes); break;
-        default: panel_rows<3>(xm, K, m, K, panel, b, ym, N, lanes); break;
+      if (!bf16) {
+        const float* xm = static_cast<const float*>(xv) + m0 * K;
+        const float* panel = static_cast<const float*>(pv) + p * K * kPanel;
+        const float* b = bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr;
+        float* ym = static_cast<float*>(yv) + m0 * N + n0;
+        switch (vectors) {
+          case 1: panel_rows<1>(xm, K, m, K, panel, b, ym, N, lanes); break;
+          case 2: panel_rows<2>(xm, K, m, K, panel, b, ym, N, lanes); break;
+          default: panel_rows<3>(xm, K, m, K, panel, b, ym, N, lanes); break;
+        }
+        continue;
       }
+#if defined(__AVX512BF16__)
+      using bf = at::BFloat16;
+      const bf* xm = static_cast<const bf*>(xv) + m0 * K;
+      const bf* panel = static_cast<const bf*>(pv) + p * depth * 2 * kPanel;
+      const bf* b = bp != nullptr ? static_cast<const bf*>(bp) + n0 : nullptr;
+      bf* ym = static_cast<bf*>(yv) + m0 * N + n0;
+      switch (vectors) {
+        case 1: panel_rows_bf16<1>(xm, K, m, K, panel, b, ym, N, lanes); break;
+        case 2: panel_rows_bf16<2>(xm, K, m, K, panel, b, ym, N, lanes); break;
+        default: panel_rows_bf16<3>(xm, K, m, K, panel, b, ym, N, lanes); break;
+      }
+#endif
     }
   });
   return y.view(shape);

@@ -118,22 +118,47 @@ PANEL_COLUMNS = 48
 """Output columns per panel of ``to_panels``: the width ``models/cpu_linear.cpp`` reads."""
 
 
-def panels_available() -> bool:
-    """Whether tandem's float32 product is registered: its CPU kernels are loaded
-    (``attention.cpu_kernel``) and were built with AVX-512, which the op needs."""
-    return hasattr(torch.ops.tandem, "linear_panels")
+def panels_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether tandem's product is registered for ``dtype``: its CPU kernels are loaded
+    (``attention.cpu_kernel``) and were built with AVX-512, which the op needs, and for
+    bfloat16 with AVX512_BF16 too."""
+    if not hasattr(torch.ops.tandem, "linear_panels"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _takes_bfloat16())
+
+
+@functools.cache
+def _takes_bfloat16() -> bool:
+    one = torch.ones(1, 2, dtype=torch.bfloat16)
+    try:
+        torch.ops.tandem.linear_panels(one, to_panels(one), None, 1)
+    except RuntimeError:  # built without AVX512_BF16
+        return False
+    return True
 
 
 @torch.no_grad()
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A ``[out, in]`` weight as ``[ceil(out / PANEL_COLUMNS), in, PANEL_COLUMNS]``,
-    contiguous: panel ``p`` is columns ``p * PANEL_COLUMNS`` onwards of ``weight.t()``,
-    zero past ``out``, so that a product reads each panel in address order."""
+    """A ``[out, in]`` weight in panels of ``PANEL_COLUMNS`` output columns, zero past
+    ``out``, contiguous, so that a product reads each panel in address order.
+
+    float32: ``[ceil(out / PANEL_COLUMNS), in, PANEL_COLUMNS]``, panel ``p`` being
+    columns ``p * PANEL_COLUMNS`` onwards of ``weight.t()``. bfloat16:
+    ``[ceil(out / PANEL_COLUMNS), ceil(in / 2), 2 * PANEL_COLUMNS]``, the same columns
+    by pairs of inputs: row ``j`` of a panel holds each column's weights for inputs
+    ``2j`` and ``2j + 1`` side by side (zero for an odd ``in``'s last), the operand
+    order of AVX512_BF16's pairwise dot product."""
     rows, cols = weight.shape
     count = -(-rows // PANEL_COLUMNS)
-    padded = weight.new_zeros(count * PANEL_COLUMNS, cols)
-    padded[:rows].copy_(weight)
-    return padded.view(count, PANEL_COLUMNS, cols).transpose(1, 2).contiguous()
+    if weight.dtype != torch.bfloat16:
+        padded = weight.new_zeros(count * PANEL_COLUMNS, cols)
+        padded[:rows].copy_(weight)
+        return padded.view(count, PANEL_COLUMNS, cols).transpose(1, 2).contiguous()
+    pairs = -(-cols // 2)
+    padded = weight.new_zeros(count * PANEL_COLUMNS, 2 * pairs)
+    padded[:rows, :cols].copy_(weight)
+    by_pair = padded.view(count, PANEL_COLUMNS, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    return by_pair.view(count, pairs, 2 * PANEL_COLUMNS)
 
 
 def with_panels(packed: PackedLinear) -> PackedLinear:
@@ -141,10 +166,11 @@ def with_panels(packed: PackedLinear) -> PackedLinear:
     (``models/cpu_linear.cpp``) over a copy of its weight in panels, in place of its
     oneDNN copy (which it drops): on a 2-core AVX-512 CPU a ~100M model's layer
     products take 8.5 against 15.2 ms at 8 tokens, 25.5 against 27.9 at 32, 47.1
-    against 51.6 at 64, and as long or less for a prefill. Unchanged unless ``packed``
-    has a oneDNN copy of a float32 weight and the op is registered."""
+    against 51.6 at 64, and as long or less for a prefill, in float32. Unchanged unless
+    ``packed`` has a oneDNN copy of a float32 or bfloat16 weight and the op takes
+    that dtype here."""
     weight = packed.weight
-    if packed.onednn is None or weight.dtype != torch.float32 or not panels_available():
+    if packed.onednn is None or not panels_available(weight.dtype):
         return packed
     return PackedLinear(weight, packed.bias, packed.sizes, panels=to_panels(weight))
 
