@@ -92,8 +92,8 @@ class EngineConfig:
         disable_cpu_fused_ops: keep the torch formulas for a CPU model's RMSNorm,
             SiLU-and-multiply and rotary embedding instead of tandem's fused C++ ops
             (built with the decode kernel; float32 and bfloat16), and oneDNN's
-            float32 products instead of tandem's (``linear_panels``, on CPUs with
-            AVX-512).
+            float32 and bfloat16 products instead of tandem's (``linear_panels``, on
+            CPUs with AVX-512; bfloat16 with AVX512-BF16 too).
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
             the ``torch`` backend's decode stage, without speculative decoding).

@@ -4,8 +4,9 @@ Three sources make one library: ``cpu_decode.cpp``, beside this file, the decode
 attention (``torch.ops.tandem.decode_attention``; float32, and bfloat16 on CPUs with
 AVX512-BF16); ``models/cpu_fused.cpp``, the fused element-wise ops of the model
 (``torch.ops.tandem.rms_norm``, ``silu_mul`` and ``rotary``); and
-``models/cpu_linear.cpp``, the float32 product over weights laid out in panels
-(``torch.ops.tandem.linear_panels``, on CPUs with AVX-512). They are compiled the
+``models/cpu_linear.cpp``, the product over weights laid out in panels
+(``torch.ops.tandem.linear_panels``: float32 on CPUs with AVX-512, bfloat16 with
+AVX512-BF16 too). They are compiled the
 first time a CPU engine starts on a machine, with the C++ compiler found on ``PATH``
 against the running torch's headers and libraries, into ``<cache>/kernels/`` (the cache
 of the embedded default model), and loaded into the process. Later starts load the built

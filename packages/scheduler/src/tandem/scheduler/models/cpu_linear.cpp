@@ -1,5 +1,5 @@
-// tandem's float32 product: y = x @ weight^T (+ bias), for any number of tokens, over a
-// copy of the weight laid out in panels.
+// tandem's product: y = x @ weight^T (+ bias), for any number of tokens, over a copy of
+// the weight laid out in panels; float32, and bfloat16 where built with AVX512_BF16.
 //
 // Built with the decode kernel by tandem/scheduler/attention/cpu_kernel.py and
 // registered as torch.ops.tandem.linear_panels, on CPUs with AVX-512 only (the library

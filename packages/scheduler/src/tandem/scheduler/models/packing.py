@@ -33,8 +33,8 @@ class PackedLinear:
     # still multiply by ``weight``.
     onednn: torch.Tensor | None = None
     dense_up_to: int = 0
-    # The same weight in panels (``to_panels``) for tandem's own float32 product,
-    # which then takes every batch (``with_panels``), or None.
+    # The same weight in panels (``to_panels``) for tandem's own product (float32 or
+    # bfloat16), which then takes every batch (``with_panels``), or None.
     panels: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
