@@ -60,29 +60,6 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, con
   }
 }
 
-// Rows [0, M) of x by one panel whose first V vectors are valid: tiles of kTileRows
-// rows, then one tile of the rest.
-template <int V>
-void panel_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panel,
-                const float* bias, float* y, int64_t ldy, __mmask16 lanes) {
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) {
-    tile<kTileRows, V>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, lanes);
-  }
-  const float* xm = x + m * ldx;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 1: tile<1, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 2: tile<2, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 3: tile<3, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 4: tile<4, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 5: tile<5, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 6: tile<6, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 7: tile<7, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    default: break;
-  }
-}
-
 #if defined(__AVX512BF16__)
 // The bfloat16 product: the same tiles over panels of k-pairs. Panel p is a contiguous
 // [ceil(K / 2), 48, 2] block (packing.to_panels): for each pair of input features
@@ -112,8 +89,8 @@ inline __m512bh pair(const at::BFloat16* row, int64_t j, int64_t K) {
 }
 
 template <int MR, int V>
-inline void tile_bf16(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat16* panel,
-                      const at::BFloat16* bias, at::BFloat16* y, int64_t ldy, __mmask16 lanes) {
+inline void tile(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat16* panel,
+                 const at::BFloat16* bias, at::BFloat16* y, int64_t ldy, __mmask16 lanes) {
   const auto mask = [lanes](int v) { return v == V - 1 ? lanes : __mmask16(0xFFFF); };
   __m512 acc[MR][V];
   for (int v = 0; v < V; ++v) {
@@ -139,28 +116,53 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, int64_t K, const at::B
   }
 }
 
-template <int V>
-void panel_rows_bf16(const at::BFloat16* x, int64_t ldx, int64_t M, int64_t K,
-                     const at::BFloat16* panel, const at::BFloat16* bias, at::BFloat16* y,
-                     int64_t ldy, __mmask16 lanes) {
+#endif  // __AVX512BF16__
+
+// Rows [0, M) of x by one panel whose first V vectors are valid: tiles of kTileRows
+// rows, then one tile of the rest (T: float, or at::BFloat16 with its tile above).
+template <typename T, int V>
+void panel_rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const T* bias,
+                T* y, int64_t ldy, __mmask16 lanes) {
   int64_t m = 0;
   for (; m + kTileRows <= M; m += kTileRows) {
-    tile_bf16<kTileRows, V>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, lanes);
+    tile<kTileRows, V>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, lanes);
   }
-  const at::BFloat16* xm = x + m * ldx;
-  at::BFloat16* ym = y + m * ldy;
+  const T* xm = x + m * ldx;
+  T* ym = y + m * ldy;
   switch (M - m) {
-    case 1: tile_bf16<1, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 2: tile_bf16<2, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 3: tile_bf16<3, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 4: tile_bf16<4, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 5: tile_bf16<5, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 6: tile_bf16<6, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 7: tile_bf16<7, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 1: tile<1, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 2: tile<2, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 3: tile<3, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 4: tile<4, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 5: tile<5, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 6: tile<6, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 7: tile<7, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
     default: break;
   }
 }
-#endif  // __AVX512BF16__
+
+
+// One work item: rows [m0, m0 + m) of x by panel p (of a weight with K inputs and N
+// outputs), its output columns cut at N.
+template <typename T>
+void run_item(const T* x, const T* panels, const T* bias, T* y, int64_t K, int64_t N,
+              int64_t m0, int64_t m, int64_t p) {
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
+  const int64_t vectors = (cols + 15) / 16, tail = cols - 16 * (vectors - 1);
+  const __mmask16 lanes = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
+  // A panel is K rows of kPanel floats, or ceil(K / 2) k-pairs of 2 * kPanel bfloat16.
+  const int64_t panel_size = sizeof(T) == 4 ? K * kPanel : (K + 1) / 2 * 2 * kPanel;
+  const T* xm = x + m0 * K;
+  const T* panel = panels + p * panel_size;
+  const T* b = bias != nullptr ? bias + n0 : nullptr;
+  T* ym = y + m0 * N + n0;
+  switch (vectors) {
+    case 1: panel_rows<T, 1>(xm, K, m, K, panel, b, ym, N, lanes); break;
+    case 2: panel_rows<T, 2>(xm, K, m, K, panel, b, ym, N, lanes); break;
+    default: panel_rows<T, 3>(xm, K, m, K, panel, b, ym, N, lanes); break;
+  }
+}
 
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
@@ -211,33 +213,15 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
       const int64_t chunk = item / P, p = item % P;
       const int64_t m0 = chunk * chunk_rows;
       const int64_t m = M - m0 < chunk_rows ? M - m0 : chunk_rows;
-      const int64_t n0 = p * kPanel;
-      const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
-      const int64_t vectors = (cols + 15) / 16, tail = cols - 16 * (vectors - 1);
-      const __mmask16 lanes = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
       if (!bf16) {
-        const float* xm = static_cast<const float*>(xv) + m0 * K;
-        const float* panel = static_cast<const float*>(pv) + p * K * kPanel;
-        const float* b = bp != nullptr ? static_cast<const float*>(bp) + n0 : nullptr;
-        float* ym = static_cast<float*>(yv) + m0 * N + n0;
-        switch (vectors) {
-          case 1: panel_rows<1>(xm, K, m, K, panel, b, ym, N, lanes); break;
-          case 2: panel_rows<2>(xm, K, m, K, panel, b, ym, N, lanes); break;
-          default: panel_rows<3>(xm, K, m, K, panel, b, ym, N, lanes); break;
-        }
+        run_item(static_cast<const float*>(xv), static_cast<const float*>(pv),
+                 static_cast<const float*>(bp), static_cast<float*>(yv), K, N, m0, m, p);
         continue;
       }
 #if defined(__AVX512BF16__)
       using bf = at::BFloat16;
-      const bf* xm = static_cast<const bf*>(xv) + m0 * K;
-      const bf* panel = static_cast<const bf*>(pv) + p * depth * 2 * kPanel;
-      const bf* b = bp != nullptr ? static_cast<const bf*>(bp) + n0 : nullptr;
-      bf* ym = static_cast<bf*>(yv) + m0 * N + n0;
-      switch (vectors) {
-        case 1: panel_rows_bf16<1>(xm, K, m, K, panel, b, ym, N, lanes); break;
-        case 2: panel_rows_bf16<2>(xm, K, m, K, panel, b, ym, N, lanes); break;
-        default: panel_rows_bf16<3>(xm, K, m, K, panel, b, ym, N, lanes); break;
-      }
+      run_item(static_cast<const bf*>(xv), static_cast<const bf*>(pv), static_cast<const bf*>(bp),
+               static_cast<bf*>(yv), K, N, m0, m, p);
 #endif
     }
   });
