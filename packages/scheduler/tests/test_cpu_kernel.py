@@ -113,7 +113,7 @@ def test_kernel_refuses_what_it_cannot_attend(kernel_dir: Path) -> None:
         op(q, k, k, torch.zeros(2, 1, 1, 7), 0.25)
     # bfloat16 heads of 16 elements: the bfloat16 path takes multiples of 32 only (or,
     # on a CPU without AVX512-BF16, no bfloat16 at all).
-    needs = "a multiple of 32" if cpu_kernel.bf16_decode() else "AVX512-BF16"
+    needs = "a multiple of 32" if cpu_kernel.bf16_kernels() else "AVX512-BF16"
     with pytest.raises(RuntimeError, match=needs):
         op(q.bfloat16(), k.bfloat16(), k.bfloat16(), bias.bfloat16(), 0.25)
 
@@ -152,7 +152,7 @@ def test_bfloat16_kernel_equals_float64_attention(kernel_dir: Path, dim: int, gr
     lens = [1, 15, 16, 17, 33, 50]
     q, k, v, bias = _bf16_case(group, dim, lens, seed=dim + group)
     op = torch.ops.tandem.decode_attention
-    if not cpu_kernel.bf16_decode():  # a CPU without AVX512-BF16: a clear refusal
+    if not cpu_kernel.bf16_kernels():  # a CPU without AVX512-BF16: a clear refusal
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             op(q, k, v, bias, dim**-0.5)
         return
@@ -172,7 +172,7 @@ def test_bfloat16_kernel_reads_the_gathered_pages_strides(kernel_dir: Path) -> N
     k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)  # [B, Hkv, L, D]
     q = torch.randn(2, 12, 64, generator=gen).bfloat16()
     bias = _bias([37, 20], 37).bfloat16()
-    if not cpu_kernel.bf16_decode():  # a CPU without AVX512-BF16: a clear refusal
+    if not cpu_kernel.bf16_kernels():  # a CPU without AVX512-BF16: a clear refusal
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             torch.ops.tandem.decode_attention(q, k, v, bias, 0.125)
         return
@@ -315,7 +315,7 @@ def test_bfloat16_engine_with_the_kernel_replays_what_it_runs_eagerly(
         )
         try:
             runner = engine.scheduler.runner
-            assert runner.attention.decode_kernel == cpu_kernel.bf16_decode()
+            assert runner.attention.decode_kernel == cpu_kernel.bf16_kernels()
             params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
             results = engine.generate(input_ids=inputs, sampling_params=params)
             outputs.append([r["output_ids"] for r in results])

@@ -24,7 +24,7 @@ from tandem.scheduler.models import CausalLM, load_model, packing
 from tandem.scheduler.models.packing import PANEL_COLUMNS, panels_available, to_panels
 
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-BF16 = AVX512 and cpu_kernel.bf16_decode()  # the kernels are built with AVX512_BF16
+BF16 = AVX512 and cpu_kernel.bf16_kernels()  # the kernels are built with AVX512_BF16
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -27,7 +27,7 @@ from tandem.scheduler.attention import (
     create_attention_backend,
     default_backend,
 )
-from tandem.scheduler.attention.cpu_kernel import bf16_decode, load_cpu_kernels
+from tandem.scheduler.attention.cpu_kernel import bf16_kernels, load_cpu_kernels
 from tandem.scheduler.attention.torch_backend import TorchAttention, bf16_kernel_fits
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cpu_malloc import keep_freed_memory
@@ -330,7 +330,7 @@ def _cpu_kernels(
     dtype = heads.dtype
     bf16 = (
         dtype == torch.bfloat16
-        and bf16_decode()
+        and bf16_kernels()
         and bf16_kernel_fits(heads.num_heads, heads.num_kv_heads, heads.head_dim)
     )
     decode = not cfg.disable_cpu_decode_kernel and backend == "torch"

@@ -152,9 +152,10 @@ def _has_avx512_bf16() -> bool:
     return bool(supported is not None and supported())
 
 
-def bf16_decode() -> bool:
-    """Whether the kernels built on this machine attend bfloat16 decode steps: built
-    with AVX512-BF16 (``cpu_decode.cpp`` has no other bfloat16 path)."""
+def bf16_kernels() -> bool:
+    """Whether the kernels built on this machine take bfloat16: built with AVX512-BF16,
+    the only bfloat16 path of the decode kernel (``cpu_decode.cpp``) and of
+    ``linear_panels`` (``models/cpu_linear.cpp``)."""
     return "-mavx512bf16" in _flags()
 
 

@@ -308,7 +308,7 @@ def _kernel_fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> b
     heads per KV head (``bf16_kernel_fits``); K and V laid out alike (the stage, or the
     gathered pages seen as ``[B, Hkv, L, D]``), each head's elements contiguous. The
     engine turns the kernel on for bfloat16 only where the CPU has AVX512-BF16
-    (``cpu_kernel.bf16_decode``)."""
+    (``cpu_kernel.bf16_kernels``)."""
     dtype = keys.dtype
     if dtype == torch.bfloat16:
         fits = bf16_kernel_fits(q.shape[1], keys.shape[1], keys.shape[-1])

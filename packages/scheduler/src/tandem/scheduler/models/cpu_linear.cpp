@@ -75,16 +75,11 @@ inline __m512 load_bf16(const at::BFloat16* p, __mmask16 lanes) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// x[m, 2j] and x[m, 2j + 1] as one 32-bit lane, repeated; only x[m, 2j] when 2j + 1 is K.
-inline __m512bh pair(const at::BFloat16* row, int64_t j, int64_t K) {
-  uint32_t bits;
-  if (2 * j + 1 < K) {
-    std::memcpy(&bits, row + 2 * j, sizeof(bits));
-  } else {
-    uint16_t low;
-    std::memcpy(&low, row + 2 * j, sizeof(low));
-    bits = low;
-  }
+// x[m, 2j] and x[m, 2j + 1] as one 32-bit lane, repeated; `half`: only x[m, 2j] (the
+// last pair of an odd K, whose second place is past the row).
+inline __m512bh pair(const at::BFloat16* row, int64_t j, bool half) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, row + 2 * j, half ? sizeof(uint16_t) : sizeof(bits));
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
 }
 
@@ -97,17 +92,18 @@ inline void tile(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat
     const __m512 start = bias != nullptr ? load_bf16(bias + 16 * v, mask(v)) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) acc[m][v] = start;
   }
-  const int64_t pairs = (K + 1) / 2;
-  for (int64_t j = 0; j < pairs; ++j) {
+  const auto step = [&](int64_t j, bool half) {
     __m512bh w[V];
     for (int v = 0; v < V; ++v) {
       w[v] = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kPanel + 32 * v);
     }
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xj = pair(x + m * ldx, j, K);
+      const __m512bh xj = pair(x + m * ldx, j, half);
       for (int v = 0; v < V; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xj, w[v]);
     }
-  }
+  };
+  for (int64_t j = 0; j < K / 2; ++j) step(j, false);
+  if (K % 2 == 1) step(K / 2, true);
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < V; ++v) {
       const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][v]);
@@ -143,16 +139,14 @@ void panel_rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, c
 
 
 // One work item: rows [m0, m0 + m) of x by panel p (of a weight with K inputs and N
-// outputs), its output columns cut at N.
+// outputs, panels of panel_size elements), its output columns cut at N.
 template <typename T>
-void run_item(const T* x, const T* panels, const T* bias, T* y, int64_t K, int64_t N,
-              int64_t m0, int64_t m, int64_t p) {
+void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, T* y, int64_t K,
+              int64_t N, int64_t m0, int64_t m, int64_t p) {
   const int64_t n0 = p * kPanel;
   const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
   const int64_t vectors = (cols + 15) / 16, tail = cols - 16 * (vectors - 1);
   const __mmask16 lanes = tail == 16 ? __mmask16(0xFFFF) : __mmask16((1u << tail) - 1);
-  // A panel is K rows of kPanel floats, or ceil(K / 2) k-pairs of 2 * kPanel bfloat16.
-  const int64_t panel_size = sizeof(T) == 4 ? K * kPanel : (K + 1) / 2 * 2 * kPanel;
   const T* xm = x + m0 * K;
   const T* panel = panels + p * panel_size;
   const T* b = bias != nullptr ? bias + n0 : nullptr;
@@ -214,14 +208,14 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
       const int64_t m0 = chunk * chunk_rows;
       const int64_t m = M - m0 < chunk_rows ? M - m0 : chunk_rows;
       if (!bf16) {
-        run_item(static_cast<const float*>(xv), static_cast<const float*>(pv),
+        run_item(static_cast<const float*>(xv), static_cast<const float*>(pv), depth * width,
                  static_cast<const float*>(bp), static_cast<float*>(yv), K, N, m0, m, p);
         continue;
       }
 #if defined(__AVX512BF16__)
       using bf = at::BFloat16;
-      run_item(static_cast<const bf*>(xv), static_cast<const bf*>(pv), static_cast<const bf*>(bp),
-               static_cast<bf*>(yv), K, N, m0, m, p);
+      run_item(static_cast<const bf*>(xv), static_cast<const bf*>(pv), depth * width,
+               static_cast<const bf*>(bp), static_cast<bf*>(yv), K, N, m0, m, p);
 #endif
     }
   });

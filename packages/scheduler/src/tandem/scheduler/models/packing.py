@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.scheduler.attention import cpu_kernel
+
 
 @dataclass(frozen=True)
 class PackedLinear:
@@ -124,17 +126,7 @@ def panels_available(dtype: torch.dtype = torch.float32) -> bool:
     bfloat16 with AVX512_BF16 too."""
     if not hasattr(torch.ops.tandem, "linear_panels"):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _takes_bfloat16())
-
-
-@functools.cache
-def _takes_bfloat16() -> bool:
-    one = torch.ones(1, 2, dtype=torch.bfloat16)
-    try:
-        torch.ops.tandem.linear_panels(one, to_panels(one), None, 1)
-    except RuntimeError:  # built without AVX512_BF16
-        return False
-    return True
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernel.bf16_kernels())
 
 
 @torch.no_grad()
