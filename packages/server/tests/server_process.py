@@ -37,39 +37,66 @@ def free_port() -> int:
 
 @contextmanager
 def live_server(cache_dir: Path, *extra: str, timeout_s: float = 120.0) -> Iterator[LiveServer]:
-    port = free_port()
-    env = {**os.environ, "TANDEM_CACHE_DIR": str(cache_dir), "TANDEM_DEBUG_FUTURES": "1"}
-    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--port", str(port)]
-    cmd += ["--device", "cpu", *extra]
-    fd, name = tempfile.mkstemp(prefix="tandem-serve-", suffix=".log")
-    log = Path(name)
-    with os.fdopen(fd, "wb") as stderr:
-        proc = subprocess.Popen(cmd, env=env, stderr=stderr)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
+    # free_port's port is free when it returns, not when the server binds it: another
+    # test's process (or this server's own rendezvous and gloo sockets) may take it in
+    # between. A server that lost that race starts again on a fresh port.
+    for attempt in range(3):
+        port = free_port()
+        env = {**os.environ, "TANDEM_CACHE_DIR": str(cache_dir), "TANDEM_DEBUG_FUTURES": "1"}
+        cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--port", str(port)]
+        cmd += ["--device", "cpu", *extra]
+        fd, name = tempfile.mkstemp(prefix="tandem-serve-", suffix=".log")
+        log = Path(name)
+        with os.fdopen(fd, "wb") as stderr:
+            proc = subprocess.Popen(cmd, env=env, stderr=stderr)
+        try:
+            _wait_healthy(proc, log, f"http://127.0.0.1:{port}", timeout_s)
+        except _PortTaken:
+            _stop(proc, log)
+            if attempt == 2:
+                raise RuntimeError("three ports were taken before the server bound them") from None
+            continue
+        except BaseException:
+            _stop(proc, log)
+            raise
+        break
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield LiveServer(url, proc, log)
+        yield LiveServer(f"http://127.0.0.1:{port}", proc, log)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        sys.stderr.write(log.read_text(errors="replace"))
-        log.unlink()
+        _stop(proc, log)
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], log: Path, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            if "address already in use" in log.read_text(errors="replace"):
+                raise _PortTaken
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not become healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    sys.stderr.write(log.read_text(errors="replace"))
+    log.unlink()
 
 
 def metric(url: str, name: str) -> float:
