@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.scheduler import Engine
-from tandem.scheduler.attention import cpu_kernel
+from tandem.scheduler.attention import base as attention_base
+from tandem.scheduler.attention import cpu_kernel, torch_backend
+from tandem.scheduler.attention.decode_stage import append_to_stage
 from tandem.scheduler.attention.torch_backend import (
     _grouped_decode,
     _kernel_fits,
@@ -327,3 +330,96 @@ def test_bfloat16_engine_with_the_kernel_replays_what_it_runs_eagerly(
     replayed, eager = outputs
     assert [len(ids) for ids in replayed] == [24] * len(inputs)
     assert replayed == eager
+
+
+def _store_operands(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A step of 5 tokens, 3 KV heads of 16: its K (contiguous) and V (a view into a
+    wider projection output, as the engine's are), a 40-slot cache and a 2-request
+    stage of capacity 9 per layer, and where each new row goes."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 4 * 48, generator=gen).to(dtype)
+    return {
+        "k": qkv[:, 48:96].reshape(5, 3, 16).clone(),
+        "v": qkv[:, 96:144].view(5, 3, 16),
+        "k_cache": torch.zeros(40, 3, 16, dtype=dtype),
+        "v_cache": torch.zeros(40, 3, 16, dtype=dtype),
+        "loc": torch.tensor([7, 0, 39, 12, 13]),
+        "k_stage": torch.zeros(2, 3, 9, 16, dtype=dtype),
+        "v_stage": torch.zeros(2, 3, 9, 16, dtype=dtype),
+        "append": torch.randperm(2 * 3 * 9, generator=gen)[:15],
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("staged", [True, False], ids=["stage", "cache-only"])
+def test_store_kv_writes_what_index_copy_writes(
+    kernel_dir: Path, dtype: torch.dtype, staged: bool
+) -> None:
+    """``store_kv`` (one pass over a step's new rows) leaves the cache and the stage
+    exactly as ``write_kv_buffers`` and ``append_to_stage`` (four ``index_copy_``) do."""
+    ops = _store_operands(dtype)
+    want = {name: t.clone() for name, t in ops.items()}
+    want["k_cache"].index_copy_(0, ops["loc"], ops["k"])
+    want["v_cache"].index_copy_(0, ops["loc"], ops["v"])
+    stage = (ops["k_stage"], ops["v_stage"], ops["append"]) if staged else (None, None, None)
+    if staged:
+        append_to_stage(want["k_stage"], ops["append"], ops["k"])
+        append_to_stage(want["v_stage"], ops["append"], ops["v"])
+    torch.ops.tandem.store_kv(
+        ops["k"], ops["v"], ops["k_cache"], ops["v_cache"], ops["loc"], *stage
+    )
+    for name in ("k_cache", "v_cache", "k_stage", "v_stage"):
+        assert torch.equal(ops[name], want[name]), name
+    assert ops["v_cache"][39].abs().sum() > 0  # the last slot was written
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"loc": torch.tensor([7, 0, 40, 12, 13])}, "slot 40 is outside the cache's 40"),
+        ({"loc": torch.tensor([7, 0, -1, 12, 13])}, "slot -1 is outside"),
+        ({"append": torch.tensor([54] + [0] * 14)}, "stage row 54 is outside the stage's 54"),
+        ({"append": torch.zeros(14, dtype=torch.int64)}, "append is a contiguous int64"),
+        ({"loc": torch.tensor([7, 0, 39, 12, 13], dtype=torch.int32)}, "loc is a contiguous int64"),
+        ({"k": torch.zeros(5, 3, 16, dtype=torch.float64)}, "one dtype"),
+        ({"v_cache": torch.zeros(40, 2, 16)}, "the caches [S, Hkv, D]"),
+        ({"v_stage": None}, "come together"),
+        ({"k_stage": torch.zeros(2, 3, 9, 32)}, "contiguous [B, Hkv, capacity, D]"),
+    ],
+)
+def test_store_kv_refuses_and_writes_nothing(
+    kernel_dir: Path, change: dict[str, Any], message: str
+) -> None:
+    ops = _store_operands(torch.float32)
+    ops.update(change)
+    before = {name: t.clone() for name, t in ops.items() if t is not None}
+    order = ("k", "v", "k_cache", "v_cache", "loc", "k_stage", "v_stage", "append")
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.tandem.store_kv(*(ops[name] for name in order))
+    for name in ("k_cache", "v_cache", "k_stage", "v_stage"):
+        if ops[name] is not None:
+            assert torch.equal(ops[name], before[name]), name
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_engine_tokens_with_store_kv_equal_tokens_with_index_copy(
+    monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """An engine writing K/V with ``store_kv`` (eagerly and in its decode trace) makes
+    the tokens of one writing them with ``index_copy_``, with the stage checked
+    against the paged cache at every step (``TANDEM_DEBUG_FUTURES`` in the tests)."""
+    with_op, engine = _tokens(kernel=True, overlap=overlap)
+    trace = engine.scheduler.runner.decode_trace
+    assert trace is not None
+    assert trace.replays > 0
+    calls: list[bool] = []
+
+    def counted(*args: Any) -> bool:
+        calls.append(True)
+        return False
+
+    monkeypatch.setattr(attention_base, "native_store", counted)
+    monkeypatch.setattr(torch_backend, "native_store", counted)
+    with_index_copy, _ = _tokens(kernel=True, overlap=overlap)
+    assert calls  # the engine asked, and wrote with index_copy_
+    assert with_op == with_index_copy

@@ -2,8 +2,10 @@
 // and bfloat16 where the CPU has AVX512-BF16.
 //
 // Built on first use by tandem/scheduler/attention/cpu_kernel.py and registered as
-// torch.ops.tandem.decode_attention; see docs/guides/adding-an-attention-backend.md,
-// "The two backends", its bullet "The CPU decode kernel".
+// torch.ops.tandem.decode_attention, with store_kv (at the end of this file), which
+// writes a step's new K/V to the paged cache and the decode stage; see
+// docs/guides/adding-an-attention-backend.md, "The two backends", its bullet "The CPU
+// decode kernel".
 //
 // Each (request, KV head) pair is one task of at::parallel_for, the forward's intra-op
 // threads: its G query heads are scored against each key as the key is read, so a
@@ -469,10 +471,94 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
   return out;
 }
 
+// Rows [0, T * Hkv) of new (a [T, Hkv, D] K or V, each head's D elements contiguous),
+// row t * Hkv + h copied to cache[loc[t], h] and, with a stage, to stage row
+// append[t * Hkv + h]; store_kv has checked every index.
+void store_rows(const at::Tensor& in, const at::Tensor& cache, const int64_t* loc,
+                const at::Tensor* stage, const int64_t* append) {
+  const int64_t tokens = in.size(0), heads = in.size(1);
+  const int64_t bytes = in.size(2) * in.element_size();
+  const auto* src = static_cast<const char*>(in.data_ptr());
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  auto* staged = stage != nullptr ? static_cast<char*>(stage->data_ptr()) : nullptr;
+  const int64_t t_stride = in.stride(0) * in.element_size();
+  const int64_t h_stride = in.stride(1) * in.element_size();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const char* row = src + t * t_stride + h * h_stride;
+        std::memcpy(dst + (loc[t] * heads + h) * bytes, row, bytes);
+        if (staged != nullptr) std::memcpy(staged + append[t * heads + h] * bytes, row, bytes);
+      }
+    }
+  });
+}
+
+// A step's new keys and values ([T, Hkv, D] each) into the paged cache ([S, Hkv, D]
+// each, at the slots loc, [T]) and, given, into the decode stage ([B, Hkv, capacity,
+// D] each, at the flat rows append, [T * Hkv]; attention/decode_stage.py): the four
+// index_copy_ calls of write_kv and append_to_stage as one pass over the rows.
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& loc,
+              const c10::optional<at::Tensor>& k_stage,
+              const c10::optional<at::Tensor>& v_stage,
+              const c10::optional<at::Tensor>& append) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 3 &&
+                  v_cache.sizes() == k_cache.sizes() &&
+                  k.sizes().slice(1) == k_cache.sizes().slice(1),
+              "tandem::store_kv: k and v [T, Hkv, D], the caches [S, Hkv, D]; got ", k.sizes(),
+              " and ", k_cache.sizes());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "tandem::store_kv: k, v and the caches take one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "tandem::store_kv: contiguous caches, and heads of contiguous elements");
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.size(0) == k.size(0) &&
+                  loc.is_contiguous(),
+              "tandem::store_kv: loc is a contiguous int64 [T]");
+  const int64_t tokens = k.size(0), heads = k.size(1), slots = k_cache.size(0);
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(lp[t] >= 0 && lp[t] < slots, "tandem::store_kv: slot ", lp[t],
+                " is outside the cache's ", slots);
+  }
+  const bool staged = k_stage.has_value() && k_stage->defined();
+  TORCH_CHECK(staged == (v_stage.has_value() && v_stage->defined()) &&
+                  staged == (append.has_value() && append->defined()),
+              "tandem::store_kv: k_stage, v_stage and append come together");
+  const int64_t* ap = nullptr;
+  if (staged) {
+    TORCH_CHECK(k_stage->dim() == 4 && v_stage->sizes() == k_stage->sizes() &&
+                    k_stage->size(3) == k.size(2) &&
+                    k_stage->scalar_type() == k.scalar_type() &&
+                    v_stage->scalar_type() == k.scalar_type() && k_stage->is_contiguous() &&
+                    v_stage->is_contiguous(),
+                "tandem::store_kv: the stages are contiguous [B, Hkv, capacity, D] of k's dtype");
+    TORCH_CHECK(append->scalar_type() == at::kLong && append->numel() == tokens * heads &&
+                    append->is_contiguous(),
+                "tandem::store_kv: append is a contiguous int64 [T * Hkv]");
+    ap = append->data_ptr<int64_t>();
+    const int64_t rows = k_stage->numel() / k_stage->size(3);
+    for (int64_t i = 0; i < tokens * heads; ++i) {
+      TORCH_CHECK(ap[i] >= 0 && ap[i] < rows, "tandem::store_kv: stage row ", ap[i],
+                  " is outside the stage's ", rows);
+    }
+  }
+  store_rows(k, k_cache, lp, staged ? &*k_stage : nullptr, ap);
+  store_rows(v, v_cache, lp, staged ? &*v_stage : nullptr, ap);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor bias, float scale) -> Tensor");
+  m.def(
+      "store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc, "
+      "Tensor(c!)? k_stage, Tensor(d!)? v_stage, Tensor? append) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("store_kv", store_kv);
+}

@@ -20,6 +20,7 @@ from tandem.scheduler.attention.base import (
     AttentionBackend,
     KVCacheView,
     masked_shape,
+    native_store,
     write_kv,
     write_kv_buffers,
 )
@@ -99,10 +100,16 @@ class StagedDecode:
     ) -> torch.Tensor:
         """``AttentionBackend.forward`` of this step: write the new K/V to the paged
         cache and the stage, attend over the stage's first L keys."""
-        write_kv_buffers(self.k_cache[layer_id], self.v_cache[layer_id], self.out_cache_loc, k, v)
+        k_cache, v_cache = self.k_cache[layer_id], self.v_cache[layer_id]
         keys, values = self.k_stage[layer_id], self.v_stage[layer_id]
-        append_to_stage(keys, self.append, k)
-        append_to_stage(values, self.append, v)
+        if native_store(k_cache, k, self.out_cache_loc) and keys.dtype == k.dtype:
+            torch.ops.tandem.store_kv(
+                k, v, k_cache, v_cache, self.out_cache_loc, keys, values, self.append
+            )
+        else:
+            write_kv_buffers(k_cache, v_cache, self.out_cache_loc, k, v)
+            append_to_stage(keys, self.append, k)
+            append_to_stage(values, self.append, v)
         length = self.bias.shape[-1]  # the stage's capacity when _whole_stage
         keys, values = keys[:, :, :length], values[:, :, :length]
         keys, values = as_dtype(keys, q.dtype), as_dtype(values, q.dtype)
