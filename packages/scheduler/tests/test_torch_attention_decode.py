@@ -124,15 +124,27 @@ def test_cpu_decode_matches_boolean_mask_path(num_kv_heads: int) -> None:
         assert (a - b).abs().max().item() < 1e-6
 
 
-def test_only_decode_takes_the_grouped_path() -> None:
-    """Prefill and mixed batches keep the boolean-mask SDPA path."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_decode_takes_the_grouped_path(dtype: torch.dtype) -> None:
+    """Prefill and mixed batches keep the general SDPA path, on the CPU with their
+    causal mask as additive floats in the cache's dtype (0 or -inf, never a row all
+    -inf), which SDPA's CPU kernel attends as it would the boolean mask, faster in
+    bfloat16."""
     for prefix, extend in (([0, 2], [5, 3]), ([4, 0, 6], [1, 3, 1])):
-        kv = PagedKVPool(16, PAGE, KVLayout(1, 2, DIM, torch.float32), "cpu")
+        kv = PagedKVPool(16, PAGE, KVLayout(1, 2, DIM, dtype), "cpu")
         pool = ReqToTokenPool(4, 32, "cpu")
         backend = TorchAttention(kv, pool.req_to_token)
         backend.plan(_batch(kv, pool, prefix, extend, "cpu"))
-        assert not _plan_of(backend).grouped_decode
-        assert _plan_of(backend).mask.dtype == torch.bool
+        plan = _plan_of(backend)
+        assert not plan.grouped_decode
+        assert plan.mask.dtype == dtype
+        allowed = plan.mask == 0
+        assert (allowed | (plan.mask == float("-inf"))).all()
+        assert allowed.any(-1).all()
+        for i, (p, n) in enumerate(zip(prefix, extend, strict=True)):
+            for j in range(n):  # query j of request i sees keys 0 .. p + j
+                keys = allowed[i, 0, j].nonzero().flatten().tolist()
+                assert keys == list(range(p + j + 1))
 
 
 @pytest.mark.cuda

@@ -42,8 +42,8 @@ class _Plan:
     # [T] index of each new token in the padded [B * Q] layout; None when every request
     # brings exactly Q tokens (decode, verify), so the packed layout is the padded one.
     query_slot: torch.Tensor | None
-    # [B, 1, Q, L] True where a query may attend a key; for grouped decode an additive
-    # float mask instead (0 or -inf), in the KV cache's dtype.
+    # [B, 1, Q, L] True where a query may attend a key; on the CPU (but for
+    # ``plan_masked``) an additive float mask instead (0 or -inf), in the KV cache's dtype.
     mask: torch.Tensor
     batch: int
     max_query: int
@@ -196,6 +196,11 @@ class TorchAttention(AttentionBackend):
         # (which would produce NaN); their outputs are dropped.
         padded_query = q_pos >= extend
         mask = torch.where(padded_query, k_pos == 0, causal).unsqueeze(1)
+        if device.type == "cpu":
+            # The same mask as additive floats: SDPA's CPU kernel gives equal results
+            # (it converts a boolean mask to these), faster in bfloat16: the ~100M
+            # model's layer for 64 prompts of 96 tokens, 32 -> 21 ms (float32 21 both).
+            mask = _additive_mask(~mask, self.kv_cache.k_buffer(0).dtype)
         self._plan = _Plan(batch.out_cache_loc, kv_slots, offsets, mask, b, max_query)
 
     def plan_masked(
@@ -236,7 +241,7 @@ class TorchAttention(AttentionBackend):
             queries,
             keys,
             values,
-            attn_mask=plan.mask,
+            attn_mask=plan.mask if plan.mask.dtype == torch.bool else as_dtype(plan.mask, q.dtype),
             scale=scale,
             enable_gqa=keys.shape[1] != num_heads,
         )
