@@ -335,7 +335,7 @@ def test_bfloat16_engine_with_the_kernel_replays_what_it_runs_eagerly(
 def _store_operands(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A step of 5 tokens, 3 KV heads of 16: its K (contiguous) and V (a view into a
     wider projection output, as the engine's are), a 40-slot cache and a 2-request
-    stage of capacity 9 per layer, and where each new row goes."""
+    stage of capacity 9 per layer, and where each new row goes (strided views)."""
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(5, 4 * 48, generator=gen).to(dtype)
     return {
@@ -343,10 +343,10 @@ def _store_operands(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "v": qkv[:, 96:144].view(5, 3, 16),
         "k_cache": torch.zeros(40, 3, 16, dtype=dtype),
         "v_cache": torch.zeros(40, 3, 16, dtype=dtype),
-        "loc": torch.tensor([7, 0, 39, 12, 13]),
+        "loc": torch.tensor([7, 0, 0, 0, 39, 0, 12, 0, 13])[::2],  # strided, as a verify's
         "k_stage": torch.zeros(2, 3, 9, 16, dtype=dtype),
         "v_stage": torch.zeros(2, 3, 9, 16, dtype=dtype),
-        "append": torch.randperm(2 * 3 * 9, generator=gen)[:15],
+        "append": torch.randperm(2 * 3 * 9, generator=gen)[:30:2],
     }
 
 
@@ -379,8 +379,9 @@ def test_store_kv_writes_what_index_copy_writes(
         ({"loc": torch.tensor([7, 0, 40, 12, 13])}, "slot 40 is outside the cache's 40"),
         ({"loc": torch.tensor([7, 0, -1, 12, 13])}, "slot -1 is outside"),
         ({"append": torch.tensor([54] + [0] * 14)}, "stage row 54 is outside the stage's 54"),
-        ({"append": torch.zeros(14, dtype=torch.int64)}, "append is a contiguous int64"),
-        ({"loc": torch.tensor([7, 0, 39, 12, 13], dtype=torch.int32)}, "loc is a contiguous int64"),
+        ({"append": torch.zeros(14, dtype=torch.int64)}, "append is an int64 [T * Hkv]"),
+        ({"loc": torch.tensor([7, 0, 39, 12, 13], dtype=torch.int32)}, "loc is an int64 [T]"),
+        ({"loc": torch.tensor([7, 0, 39, 12])}, "T = 5, got [4]"),
         ({"k": torch.zeros(5, 3, 16, dtype=torch.float64)}, "one dtype"),
         ({"v_cache": torch.zeros(40, 2, 16)}, "the caches [S, Hkv, D]"),
         ({"v_stage": None}, "come together"),

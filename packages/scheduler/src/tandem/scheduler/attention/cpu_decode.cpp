@@ -514,11 +514,12 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "tandem::store_kv: contiguous caches, and heads of contiguous elements");
-  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.size(0) == k.size(0) &&
-                  loc.is_contiguous(),
-              "tandem::store_kv: loc is a contiguous int64 [T]");
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.dim() == 1 && loc.size(0) == k.size(0),
+              "tandem::store_kv: loc is an int64 [T], T = ", k.size(0), ", got ", loc.sizes(),
+              " ", loc.scalar_type());
+  const at::Tensor slots_of = loc.contiguous();  // a verify step's may be a strided view
   const int64_t tokens = k.size(0), heads = k.size(1), slots = k_cache.size(0);
-  const int64_t* lp = loc.data_ptr<int64_t>();
+  const int64_t* lp = slots_of.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(lp[t] >= 0 && lp[t] < slots, "tandem::store_kv: slot ", lp[t],
                 " is outside the cache's ", slots);
@@ -528,6 +529,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
                   staged == (append.has_value() && append->defined()),
               "tandem::store_kv: k_stage, v_stage and append come together");
   const int64_t* ap = nullptr;
+  at::Tensor rows_of;
   if (staged) {
     TORCH_CHECK(k_stage->dim() == 4 && v_stage->sizes() == k_stage->sizes() &&
                     k_stage->size(3) == k.size(2) &&
@@ -535,10 +537,12 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
                     v_stage->scalar_type() == k.scalar_type() && k_stage->is_contiguous() &&
                     v_stage->is_contiguous(),
                 "tandem::store_kv: the stages are contiguous [B, Hkv, capacity, D] of k's dtype");
-    TORCH_CHECK(append->scalar_type() == at::kLong && append->numel() == tokens * heads &&
-                    append->is_contiguous(),
-                "tandem::store_kv: append is a contiguous int64 [T * Hkv]");
-    ap = append->data_ptr<int64_t>();
+    TORCH_CHECK(append->scalar_type() == at::kLong && append->dim() == 1 &&
+                    append->numel() == tokens * heads,
+                "tandem::store_kv: append is an int64 [T * Hkv], T * Hkv = ", tokens * heads,
+                ", got ", append->sizes());
+    rows_of = append->contiguous();
+    ap = rows_of.data_ptr<int64_t>();
     const int64_t rows = k_stage->numel() / k_stage->size(3);
     for (int64_t i = 0; i < tokens * heads; ++i) {
       TORCH_CHECK(ap[i] >= 0 && ap[i] < rows, "tandem::store_kv: stage row ", ap[i],
