@@ -161,6 +161,50 @@ def test_linear_panels_refuses_what_it_does_not_take() -> None:
         op(x.bfloat16(), pairs, torch.randn(50), 50)  # float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 7, 8, 13, 64, 65, 130])
+def test_a_residual_is_added_as_the_add_after_the_product_would(
+    dtype: torch.dtype, tokens: int
+) -> None:
+    """``linear_panels`` with a residual, the add folded into the store, equals the
+    product followed by ``residual + y`` to the bit (bfloat16 rounds the sum, then the
+    add, as the two ops do); ``PackedLinear.plus`` takes it and falls back to the add
+    without panels."""
+    takes = BF16 if dtype == torch.bfloat16 else AVX512
+    if not takes:
+        return
+    weight = _weight(100, 70, seed=tokens).to(dtype)  # 100 outputs: a panel ends mid-vector
+    bias = torch.randn(100, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(tokens, 70, generator=torch.Generator().manual_seed(2)).to(dtype)
+    residual = torch.randn(tokens, 100, generator=torch.Generator().manual_seed(3)).to(dtype)
+    panels = to_panels(weight)
+    op = torch.ops.tandem.linear_panels
+    folded = op(x, panels, bias, 100, residual)
+    assert folded.equal(residual + op(x, panels, bias, 100))
+    packed = packing.PackedLinear(weight, bias, (100,), panels=panels)
+    assert packed.plus(x, residual).equal(folded)
+    plain = packing.PackedLinear(weight, bias, (100,))
+    torch.testing.assert_close(plain.plus(x, residual), residual + F.linear(x, weight, bias))
+    with pytest.raises(ValueError, match="single layer, not 2 stacked"):
+        packing.PackedLinear(weight, bias, (50, 50), panels=panels).plus(x, residual)
+
+
+def test_linear_panels_refuses_a_residual_it_cannot_add() -> None:
+    if not AVX512:
+        return
+    panels = to_panels(_weight(50, 4, seed=2))
+    op = torch.ops.tandem.linear_panels
+    x = torch.randn(3, 4)
+    for bad in (
+        torch.randn(3, 49),
+        torch.randn(2, 50),
+        torch.randn(50, 3).t(),
+        torch.randn(3, 50).double(),
+    ):
+        with pytest.raises(RuntimeError, match="the residual is a contiguous tensor"):
+            op(x, panels, None, 50, bad)
+
+
 def _packed(model: CausalLM) -> list[packing.PackedLinear]:
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     found = [attn.qkv, attn.o, mlp.gate_up, mlp.down, model.head]

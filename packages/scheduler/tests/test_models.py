@@ -129,9 +129,12 @@ def test_logits_match_transformers_with_the_feed_forward_in_row_blocks(
     blocks: list[int] = []
     local = decoder.MLP._local
 
-    def counted(self: decoder.MLP, x: torch.Tensor) -> torch.Tensor:
+    def counted(
+        self: decoder.MLP, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         blocks.append(x.shape[0])
-        return local(self, x)
+        assert residual is None or residual.shape[0] == x.shape[0]
+        return local(self, x, residual)
 
     monkeypatch.setattr(decoder.MLP, "_local", counted)
     prompts = _prompts(model.config.vocab_size, seed=11)

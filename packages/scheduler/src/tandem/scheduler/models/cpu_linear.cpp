@@ -36,10 +36,12 @@ constexpr int64_t kTileRows = 8;   // rows of x per tile: 8 x 3 sums in register
 constexpr int64_t kChunkRows = 64; // most rows of x per work item, with one panel
 static_assert(kTileRows == 8, "panel_rows' tail cases cover 1 to kTileRows - 1 rows");
 
-// y[0:MR, 0:16V) = x[0:MR, :] @ panel (+ bias); the last vector's valid lanes are `lanes`.
+// y[0:MR, 0:16V) = x[0:MR, :] @ panel (+ bias) (+ res, the residual rows, laid out as
+// y); the last vector's valid lanes are `lanes`. The residual is added to the finished
+// sum, as `res + x @ w` adds it after the product.
 template <int MR, int V>
 inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias,
-                 float* y, int64_t ldy, __mmask16 lanes) {
+                 const float* res, float* y, int64_t ldy, __mmask16 lanes) {
   const auto mask = [lanes](int v) { return v == V - 1 ? lanes : __mmask16(0xFFFF); };
   __m512 acc[MR][V];
   for (int v = 0; v < V; ++v) {
@@ -56,7 +58,13 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, con
     }
   }
   for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(y + m * ldy + 16 * v, mask(v), acc[m][v]);
+    for (int v = 0; v < V; ++v) {
+      __m512 out = acc[m][v];
+      if (res != nullptr) {
+        out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask(v), res + m * ldy + 16 * v));
+      }
+      _mm512_mask_storeu_ps(y + m * ldy + 16 * v, mask(v), out);
+    }
   }
 }
 
@@ -69,10 +77,14 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, con
 // FMA per instruction over half the bytes; the sums are rounded to bfloat16 once, at
 // the store, as oneDNN's bfloat16 products do.
 
+// 16 bfloat16 values as float32.
+inline __m512 widen(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // 16 bfloat16 values (the `lanes` of them) as float32.
 inline __m512 load_bf16(const at::BFloat16* p, __mmask16 lanes) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(lanes, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen(_mm256_maskz_loadu_epi16(lanes, p));
 }
 
 // x[m, 2j] and x[m, 2j + 1] as one 32-bit lane, repeated; `half`: only x[m, 2j] (the
@@ -85,7 +97,8 @@ inline __m512bh pair(const at::BFloat16* row, int64_t j, bool half) {
 
 template <int MR, int V>
 inline void tile(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat16* panel,
-                 const at::BFloat16* bias, at::BFloat16* y, int64_t ldy, __mmask16 lanes) {
+                 const at::BFloat16* bias, const at::BFloat16* res, at::BFloat16* y, int64_t ldy,
+                 __mmask16 lanes) {
   const auto mask = [lanes](int v) { return v == V - 1 ? lanes : __mmask16(0xFFFF); };
   __m512 acc[MR][V];
   for (int v = 0; v < V; ++v) {
@@ -106,7 +119,11 @@ inline void tile(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat
   if (K % 2 == 1) step(K / 2, true);
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < V; ++v) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][v]);
+      __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][v]);
+      if (res != nullptr) {  // rounded, then added and rounded again, as torch's add
+        const __m512 sum = _mm512_add_ps(widen(out), load_bf16(res + m * ldy + 16 * v, mask(v)));
+        out = (__m256i)_mm512_cvtneps_pbh(sum);
+      }
       _mm256_mask_storeu_epi16(y + m * ldy + 16 * v, mask(v), out);
     }
   }
@@ -118,31 +135,34 @@ inline void tile(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat
 // rows, then one tile of the rest (T: float, or at::BFloat16 with its tile above).
 template <typename T, int V>
 void panel_rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const T* bias,
-                T* y, int64_t ldy, __mmask16 lanes) {
+                const T* res, T* y, int64_t ldy, __mmask16 lanes) {
   int64_t m = 0;
+  const auto at = [res, ldy](int64_t row) { return res != nullptr ? res + row * ldy : nullptr; };
   for (; m + kTileRows <= M; m += kTileRows) {
-    tile<kTileRows, V>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, lanes);
+    tile<kTileRows, V>(x + m * ldx, ldx, K, panel, bias, at(m), y + m * ldy, ldy, lanes);
   }
   const T* xm = x + m * ldx;
+  const T* rm = at(m);
   T* ym = y + m * ldy;
   switch (M - m) {
-    case 1: tile<1, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 2: tile<2, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 3: tile<3, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 4: tile<4, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 5: tile<5, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 6: tile<6, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
-    case 7: tile<7, V>(xm, ldx, K, panel, bias, ym, ldy, lanes); break;
+    case 1: tile<1, V>(xm, ldx, K, panel, bias, rm, ym, ldy, lanes); break;
+    case 2: tile<2, V>(xm, ldx, K, panel, bias, rm, ym, ldy, lanes); break;
+    case 3: tile<3, V>(xm, ldx, K, panel, bias, rm, ym, ldy, lanes); break;
+    case 4: tile<4, V>(xm, ldx, K, panel, bias, rm, ym, ldy, lanes); break;
+    case 5: tile<5, V>(xm, ldx, K, panel, bias, rm, ym, ldy, lanes); break;
+    case 6: tile<6, V>(xm, ldx, K, panel, bias, rm, ym, ldy, lanes); break;
+    case 7: tile<7, V>(xm, ldx, K, panel, bias, rm, ym, ldy, lanes); break;
     default: break;
   }
 }
 
 
 // One work item: rows [m0, m0 + m) of x by panel p (of a weight with K inputs and N
-// outputs, panels of panel_size elements), its output columns cut at N.
+// outputs, panels of panel_size elements), its output columns cut at N; res, the
+// residual [M, N] or null.
 template <typename T>
-void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, T* y, int64_t K,
-              int64_t N, int64_t m0, int64_t m, int64_t p) {
+void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, const T* res,
+              T* y, int64_t K, int64_t N, int64_t m0, int64_t m, int64_t p) {
   const int64_t n0 = p * kPanel;
   const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
   const int64_t vectors = (cols + 15) / 16, tail = cols - 16 * (vectors - 1);
@@ -150,16 +170,20 @@ void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, T*
   const T* xm = x + m0 * K;
   const T* panel = panels + p * panel_size;
   const T* b = bias != nullptr ? bias + n0 : nullptr;
+  const T* r = res != nullptr ? res + m0 * N + n0 : nullptr;
   T* ym = y + m0 * N + n0;
   switch (vectors) {
-    case 1: panel_rows<T, 1>(xm, K, m, K, panel, b, ym, N, lanes); break;
-    case 2: panel_rows<T, 2>(xm, K, m, K, panel, b, ym, N, lanes); break;
-    default: panel_rows<T, 3>(xm, K, m, K, panel, b, ym, N, lanes); break;
+    case 1: panel_rows<T, 1>(xm, K, m, K, panel, b, r, ym, N, lanes); break;
+    case 2: panel_rows<T, 2>(xm, K, m, K, panel, b, r, ym, N, lanes); break;
+    default: panel_rows<T, 3>(xm, K, m, K, panel, b, r, ym, N, lanes); break;
   }
 }
 
+// x @ weight^T (+ bias) (+ residual): the residual, of the output's shape and x's
+// dtype, added to the finished product (a layer's `hidden + o_proj(attn)` in one pass).
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
-                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
+                         const c10::optional<at::Tensor>& bias, int64_t out_features,
+                         const c10::optional<at::Tensor>& residual) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && panels.scalar_type() == x.scalar_type(),
               "tandem::linear_panels takes float32 or bfloat16 (x and weight alike), got ",
@@ -193,6 +217,15 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   at::Tensor y = at::empty({M, N}, rows.options());
   auto shape = x.sizes().vec();
   shape.back() = N;
+  const void* rp = nullptr;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->sizes() == shape &&
+                    residual->is_contiguous(),
+                "tandem::linear_panels: the residual is a contiguous tensor of the output's "
+                "shape ", at::IntArrayRef(shape), " and x's dtype, got ", residual->sizes(), " ",
+                residual->scalar_type());
+    rp = residual->data_ptr();
+  }
   if (M == 0) return y.view(shape);
   // Work items: (chunk of rows, panel), panels inner, handed out evenly: a few tokens'
   // step splits the panels between the threads, a prefill its rows. The chunks are of
@@ -209,13 +242,15 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
       const int64_t m = M - m0 < chunk_rows ? M - m0 : chunk_rows;
       if (!bf16) {
         run_item(static_cast<const float*>(xv), static_cast<const float*>(pv), depth * width,
-                 static_cast<const float*>(bp), static_cast<float*>(yv), K, N, m0, m, p);
+                 static_cast<const float*>(bp), static_cast<const float*>(rp),
+                 static_cast<float*>(yv), K, N, m0, m, p);
         continue;
       }
 #if defined(__AVX512BF16__)
       using bf = at::BFloat16;
       run_item(static_cast<const bf*>(xv), static_cast<const bf*>(pv), depth * width,
-               static_cast<const bf*>(bp), static_cast<bf*>(yv), K, N, m0, m, p);
+               static_cast<const bf*>(bp), static_cast<const bf*>(rp), static_cast<bf*>(yv), K,
+               N, m0, m, p);
 #endif
     }
   });
@@ -225,7 +260,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
-  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def(
+      "linear_panels(Tensor x, Tensor panels, Tensor? bias, int out_features, "
+      "Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("linear_panels", linear_panels); }

@@ -147,7 +147,10 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionBackend,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention's output for the normed ``hidden``, plus ``residual`` if given
+        (folded into the output projection where it can be: one rank, packed)."""
         t = hidden.shape[0]
         q, k, v = self._project(hidden)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -157,8 +160,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin, self.fused), _rotate(k, cos, sin, self.fused)
         out = attn.forward(self.layer_id, q, k, v, scale=self.scale)
+        if residual is not None and self.o is not None and self.tp.size == 1:
+            return self.o.plus(out, residual)
         out = self.o(out)[0] if self.o is not None else self.o_proj(out)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        return out if residual is None else residual + out
 
 
 class MLP(nn.Module):
@@ -184,16 +190,25 @@ class MLP(nn.Module):
             self.gate_up = with_onednn(self.gate_up, forward_threads)
             self.down = with_onednn(self.down, forward_threads)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The feed-forward of ``x``, plus ``residual`` if given (folded into the down
+        projection where it can be: one rank, packed)."""
         rows = _mlp_block_rows(x, self.gate_proj.out_features)
+        fold = residual is not None and self.down is not None and self.tp.size == 1
         if x.shape[0] > rows:
-            out = torch.cat([self._local(block) for block in x.split(rows)])
+            blocks = x.split(rows)
+            adds = residual.split(rows) if fold and residual is not None else [None] * len(blocks)
+            out = torch.cat([self._local(b, r) for b, r in zip(blocks, adds, strict=True)])
         else:
-            out = self._local(x)
-        return self.tp.all_reduce(out)
+            out = self._local(x, residual if fold else None)
+        if fold:
+            return out
+        out = self.tp.all_reduce(out)
+        return out if residual is None else residual + out
 
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sums for the tokens ``x``."""
+    def _local(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's partial sums for the tokens ``x`` (plus ``residual``, given only
+        when ``down`` is packed and this is the only rank)."""
         if self.gate_up is not None:
             gate, up = self.gate_up(x)
         else:
@@ -202,7 +217,9 @@ class MLP(nn.Module):
             inner = torch.ops.tandem.silu_mul(gate, up)
         else:
             inner = F.silu(gate).mul_(up)
-        return self.down(inner)[0] if self.down is not None else self.down_proj(inner)
+        if self.down is None:
+            return self.down_proj(inner)
+        return self.down(inner)[0] if residual is None else self.down.plus(inner, residual)
 
 
 MLP_BLOCK_BYTES = 8 << 20
@@ -239,8 +256,8 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn)
-        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, attn, residual=hidden)
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden), residual=hidden)
         return out
 
 

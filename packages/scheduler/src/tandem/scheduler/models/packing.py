@@ -49,6 +49,20 @@ class PackedLinear:
             y = _cpu_linear()(x, self.weight, self.onednn, self.bias, self.dense_up_to)
         return y.split(self.sizes, dim=-1)
 
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` for a single layer. tandem's product adds the residual
+        as it stores each sum (after rounding it, where ``+`` would add), one pass
+        instead of a product and an add: a layer's output projection and down
+        projection, the ~100M model's 24 adds of a 64-request step, about 1.2 ms."""
+        if len(self.sizes) != 1:
+            raise ValueError(f"plus takes a single layer, not {len(self.sizes)} stacked")
+        if self.panels is not None and residual.dtype == x.dtype and residual.is_contiguous():
+            y: torch.Tensor = torch.ops.tandem.linear_panels(
+                x, self.panels, self.bias, self.sizes[0], residual
+            )
+            return y
+        return residual + self(x)[0]
+
 
 def _cpu_linear_source(
     x: torch.Tensor,
