@@ -86,25 +86,40 @@ def test_parameters_keep_names_and_shapes_and_write_through() -> None:
 def test_cpu_projections_multiply_by_a_onednn_copy_at_every_batch(
     dtype: torch.dtype, forward_threads: int
 ) -> None:
-    assert onednn_available()  # every CPU build of torch has it
     model = load_model(None, _config(), dtype=dtype, device="cpu", load_format="dummy")
     assert model.config.hidden_size < ONEDNN_MIN_HIDDEN
     assert model.head is None, "a tiny model keeps MKL's products"
     model.pack(onednn=True, forward_threads=forward_threads)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down, model.head]
-    assert all(p is not None and p.onednn is not None for p in packed)
-    assert len(model.packed_weights()) == 4 * len(model.model.layers)
-    # A float32 token on a one-thread forward takes MKL's product on the column-major
-    # weight; every other batch takes oneDNN's.
-    single = 1 if dtype == torch.float32 and forward_threads == 1 else 0
-    assert {p.dense_up_to for p in packed if p is not None} == {single}
+    if onednn_available(dtype):
+        packed = [attn.qkv, attn.o, mlp.gate_up, mlp.down, model.head]
+        assert all(p is not None and p.onednn is not None for p in packed)
+        assert len(model.packed_weights()) == 4 * len(model.model.layers)
+        # A float32 token on a one-thread forward takes MKL's product on the column-major
+        # weight; every other batch takes oneDNN's.
+        single = 1 if dtype == torch.float32 and forward_threads == 1 else 0
+        assert {p.dense_up_to for p in packed if p is not None} == {single}
+    else:
+        # A CPU whose oneDNN cannot multiply this dtype (bfloat16 without AVX-512 BW/VL/DQ
+        # or AVX-NE-CONVERT): no copies, which would fail to build, and the fused
+        # projections keep the column-major weights.
+        assert model.head is None
+        assert model.packed_weights() == ()
+        assert all(p is not None and p.onednn is None for p in (attn.qkv, mlp.gate_up))
     plain = _unpacked_copy(model)
     # Both paths agree with the unpacked model.
     for n in (1, 2, 9):
         ids = torch.randint(96, (n,), generator=torch.Generator().manual_seed(n))
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(_logits(model, ids), _logits(plain, ids), rtol=tol, atol=tol)
+
+
+def test_onednn_is_available_for_the_dtypes_this_cpu_multiplies() -> None:
+    assert onednn_available()  # every CPU build of torch has it for float32
+    assert onednn_available(torch.float32)
+    assert onednn_available(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert onednn_available(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert not onednn_available(torch.float64)
 
 
 def test_a_tied_head_keeps_the_embedding_rows() -> None:

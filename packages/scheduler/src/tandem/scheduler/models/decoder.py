@@ -381,7 +381,7 @@ class CausalLM(nn.Module):
             column_major = cpu
         if onednn is None:
             onednn = column_major and self.config.hidden_size >= ONEDNN_MIN_HIDDEN
-        onednn = onednn and cpu and onednn_available()
+        onednn = onednn and cpu and onednn_available(self.lm_head.weight.dtype)
         for layer in self.model.layers:
             layer.self_attn.pack(column_major, onednn, threads)
             layer.mlp.pack(column_major, onednn, threads)

@@ -103,8 +103,17 @@ default model (hidden 64) decodes 1.34 times slower with them, a hidden-256 mode
 times as long."""
 
 
-def onednn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available())
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN multiplies ``dtype`` on this CPU: every CPU build of torch has
+    it for float32; bfloat16 and float16 need instructions some CPUs lack (bfloat16:
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and copying a weight for them fails there."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
 
 
 @torch.no_grad()
