@@ -1,11 +1,12 @@
 """tandem's product (``torch.ops.tandem.linear_panels``, built from
-``models/cpu_linear.cpp`` on CPUs with AVX-512; bfloat16 with AVX512_BF16 too) over
+``models/cpu_linear.cpp`` on CPUs with AVX2 and FMA or AVX-512; bfloat16 with AVX512_BF16
+too) over
 weights in panels (``packing.to_panels``): against ``F.linear`` at row counts below, at
 and above its tiles and chunks, at output sizes that end mid-panel or mid-vector and,
 in bfloat16, at odd input sizes; the inputs it refuses; the packed products that take
 it (``packing.with_panels``) at every batch; and an engine's tokens with it equal to its
-tokens without, in both loops, through the decode trace. On a CPU without AVX-512 the
-op does not exist and nothing takes it."""
+tokens without, in both loops, through the decode trace. On a CPU without AVX2 the op
+does not exist and nothing takes it."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from tandem.scheduler.default_model import cache_root, default_model_path
 from tandem.scheduler.models import CausalLM, load_model, packing
 from tandem.scheduler.models.packing import PANEL_COLUMNS, panels_available, to_panels
 
-AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-BF16 = AVX512 and cpu_kernel.bf16_kernels()  # the kernels are built with AVX512_BF16
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+PANELS = CAPABILITY in ("AVX2", "AVX512")  # float32: AVX2 tiles, or AVX-512 ones
+BF16 = CAPABILITY == "AVX512" and cpu_kernel.bf16_kernels()  # built with AVX512_BF16
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,8 +39,8 @@ def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, cols, generator=gen)
 
 
-def test_the_op_exists_exactly_on_avx512() -> None:
-    assert panels_available() == AVX512
+def test_the_op_exists_exactly_on_avx2_and_up() -> None:
+    assert panels_available() == PANELS
     assert panels_available(torch.bfloat16) == BF16
     assert not panels_available(torch.float16)
 
@@ -69,14 +71,14 @@ def test_panels_hold_the_weight_columns_in_address_order() -> None:
     assert to_panels(weight.t().contiguous().t()).equal(panels)  # any storage order
 
 
-@pytest.mark.parametrize("tokens", [0, 1, 2, 7, 8, 9, 31, 64, 65, 96, 200])
+@pytest.mark.parametrize("tokens", [0, 1, 2, 3, 5, 6, 7, 8, 9, 31, 64, 65, 96, 200])
 @pytest.mark.parametrize(
     ("rows", "cols"), [(9000, 768), (1280, 768), (100, 2048), (17, 5), (1, 3), (64, 64)]
 )
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_linear_panels_equals_f_linear(tokens: int, rows: int, cols: int, bias: bool) -> None:
-    if not AVX512:
-        return  # test_the_op_exists_exactly_on_avx512 checks it is absent
+    if not PANELS:
+        return  # test_the_op_exists_exactly_on_avx2_and_up checks it is absent
     if rows == 9000 and tokens > 9:
         return  # the head only ever multiplies a step's sampled rows; spare the time
     weight = _weight(rows, cols, seed=rows + cols)
@@ -97,7 +99,7 @@ def test_bfloat16_linear_panels_equals_f_linear(
     tokens: int, rows: int, cols: int, bias: bool
 ) -> None:
     if not BF16:
-        return  # test_the_op_exists_exactly_on_avx512 checks it refuses bfloat16
+        return  # test_the_op_exists_exactly_on_avx2_and_up checks it refuses bfloat16
     weight = _weight(rows, cols, seed=rows + cols).bfloat16()
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, cols, generator=gen).bfloat16()
@@ -111,7 +113,7 @@ def test_bfloat16_linear_panels_equals_f_linear(
 
 
 def test_linear_panels_keeps_leading_dimensions_and_reads_strided_rows() -> None:
-    if not AVX512:
+    if not PANELS:
         return
     weight = _weight(40, 24, seed=1)
     panels = to_panels(weight)
@@ -125,7 +127,7 @@ def test_linear_panels_keeps_leading_dimensions_and_reads_strided_rows() -> None
 
 
 def test_linear_panels_refuses_what_it_does_not_take() -> None:
-    if not AVX512:
+    if not PANELS:
         return
     panels = to_panels(_weight(50, 4, seed=2))  # two panels: 49 to 96 outputs
     op = torch.ops.tandem.linear_panels
@@ -170,7 +172,7 @@ def test_a_residual_is_added_as_the_add_after_the_product_would(
     product followed by ``residual + y`` to the bit (bfloat16 rounds the sum, then the
     add, as the two ops do); ``PackedLinear.plus`` takes it and falls back to the add
     without panels."""
-    takes = BF16 if dtype == torch.bfloat16 else AVX512
+    takes = BF16 if dtype == torch.bfloat16 else PANELS
     if not takes:
         return
     weight = _weight(100, 70, seed=tokens).to(dtype)  # 100 outputs: a panel ends mid-vector
@@ -190,7 +192,7 @@ def test_a_residual_is_added_as_the_add_after_the_product_would(
 
 
 def test_linear_panels_refuses_a_residual_it_cannot_add() -> None:
-    if not AVX512:
+    if not PANELS:
         return
     panels = to_panels(_weight(50, 4, seed=2))
     op = torch.ops.tandem.linear_panels
@@ -233,7 +235,7 @@ def test_packed_products_take_the_op_at_every_batch(dtype: torch.dtype) -> None:
     plain.load_state_dict(model.state_dict())
     model.use_fused_cpu_ops()
     plain.use_fused_cpu_ops()  # the same element-wise ops, unpacked products
-    takes = BF16 if dtype == torch.bfloat16 else AVX512
+    takes = BF16 if dtype == torch.bfloat16 else PANELS
     copies = packing.onednn_available(dtype)  # bfloat16 needs AVX-512 BW/VL/DQ or NE-CONVERT
     assert copies or not takes
     packed = _packed(model)
@@ -255,8 +257,8 @@ def test_a_tied_head_takes_panels_of_the_embedding() -> None:
     model.pack(onednn=True, forward_threads=2)
     model.use_fused_cpu_ops()
     assert model.head is not None
-    assert (model.head.panels is not None) == AVX512
-    if AVX512:
+    assert (model.head.panels is not None) == PANELS
+    if PANELS:
         embedding = model.model.embed_tokens.weight
         assert model.head.panels.equal(to_panels(embedding))
         hidden = torch.randn(3, embedding.shape[1])
@@ -300,7 +302,7 @@ def _tokens(path: Path, overlap: bool, dtype: str) -> tuple[list[list[int]], Eng
 def test_engine_tokens_with_the_op_equal_tokens_without(
     overlap: bool, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    takes = BF16 if dtype == "bfloat16" else AVX512
+    takes = BF16 if dtype == "bfloat16" else PANELS
     path = _wide_checkpoint(tmp_path / "wide")
     with_op, engine = _tokens(path, overlap, dtype)
     model = engine.scheduler.runner.model

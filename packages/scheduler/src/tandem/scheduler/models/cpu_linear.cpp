@@ -2,9 +2,9 @@
 // the weight laid out in panels; float32, and bfloat16 where built with AVX512_BF16.
 //
 // Built with the decode kernel by tandem/scheduler/attention/cpu_kernel.py and
-// registered as torch.ops.tandem.linear_panels, on CPUs with AVX-512 only (the library
-// has no such op elsewhere); see docs/guides/adding-a-model.md, "Adding a new
-// architecture", its bullet "The fused CPU ops".
+// registered as torch.ops.tandem.linear_panels, on CPUs with AVX-512, or AVX2 and FMA
+// for float32 (the library has no such op elsewhere); see docs/guides/adding-a-model.md,
+// "Adding a new architecture", its bullet "The fused CPU ops".
 //
 // The panels (models/packing.py, to_panels) hold the weight's output columns 48 at a
 // time: panel p is a contiguous [K, 48] block, columns 48p..48p+47 of weight^T, the
@@ -15,7 +15,8 @@
 // read from memory once and from the core's cache after that. A decode step of a few
 // tokens thus reads every weight at about the rate the machine streams memory, and one
 // of a few dozen runs at about the arithmetic's rate, where oneDNN's products run
-// about 10-35 % slower (docs/benchmarks.md).
+// about 10-35 % slower (docs/benchmarks.md). AVX2 has half the vector width and
+// registers: its tiles (below) are smaller, over the same panels.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,14 +27,22 @@
 #include <cstring>
 #include <string>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TANDEM_PANELS 1
 #include <immintrin.h>
 
 namespace {
 
 constexpr int64_t kPanel = 48;     // output columns per panel: three vectors of 16
-constexpr int64_t kTileRows = 8;   // rows of x per tile: 8 x 3 sums in registers
 constexpr int64_t kChunkRows = 64; // most rows of x per work item, with one panel
+
+}  // namespace
+#endif
+
+#if defined(__AVX512F__)
+namespace {
+
+constexpr int64_t kTileRows = 8;   // rows of x per tile: 8 x 3 sums in registers
 static_assert(kTileRows == 8, "panel_rows' tail cases cover 1 to kTileRows - 1 rows");
 
 // y[0:MR, 0:16V) = x[0:MR, :] @ panel (+ bias) (+ res, the residual rows, laid out as
@@ -179,6 +188,172 @@ void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, co
   }
 }
 
+}  // namespace
+
+#elif defined(TANDEM_PANELS)
+// AVX2 with FMA (eight float32 lanes, sixteen vector registers; float32 only): the same
+// panels and work items, two kinds of tile. A work item of four rows or more goes in
+// tall tiles, 4 rows by half a panel (4 x 3 vectors of sums, the three weight vectors
+// loaded once a k for the four rows), over each half of the panel in turn; the rows
+// left, and items of fewer rows, in tiles of 2 rows (or 1) by the whole panel row
+// (2 x 6 sums, each weight vector an operand straight from the cache), which read the
+// panel as one address-ordered stream, as a decode step of a few tokens needs.
+namespace {
+
+constexpr int64_t kTileRows = 2;   // rows of x per tile: 2 x 6 sums in registers
+constexpr int64_t kTallRows = 4;   // rows of x per tall tile: 4 x 3 sums
+constexpr int kVectors = kPanel / 8;
+
+// The first `valid` (0 to 8) lanes of a vector, as maskload and maskstore take them.
+inline __m256i first_lanes(int64_t valid) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), index);
+}
+
+// The sums of one row of a tile: six vectors, one panel row's 48 columns.
+struct Row {
+  __m256 s0, s1, s2, s3, s4, s5;
+
+  // += x[k] * the panel's row k, whose six vectors are the operands straight from the
+  // cache.
+  inline void add(float xk, const float* w) {
+    const __m256 b = _mm256_set1_ps(xk);
+    s0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w), s0);
+    s1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 8), s1);
+    s2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 16), s2);
+    s3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 24), s3);
+    s4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 32), s4);
+    s5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 40), s5);
+  }
+};
+
+// y[0:MR, 0:cols) = x[0:MR, :] @ panel (+ bias) (+ res), MR 1 or 2; the residual is
+// added to the finished sum, as `res + x @ w` adds it after the product. The sums are
+// named variables, not an array: GCC kept an array's twelve vectors in registers but
+// also stored them all to the stack at every k, which halved the tile's rate.
+template <int MR>
+inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias,
+                 const float* res, float* y, int64_t ldy, int64_t cols) {
+  static_assert(MR == 1 || MR == 2, "a tile is one or two rows");
+  __m256i lanes[kVectors];
+  for (int v = 0; v < kVectors; ++v) {
+    const int64_t left = cols - 8 * v;
+    lanes[v] = first_lanes(left < 0 ? 0 : (left > 8 ? 8 : left));
+  }
+  float start[kPanel] = {};
+  if (bias != nullptr) std::memcpy(start, bias, sizeof(float) * cols);
+  const Row first{_mm256_loadu_ps(start), _mm256_loadu_ps(start + 8),
+                  _mm256_loadu_ps(start + 16), _mm256_loadu_ps(start + 24),
+                  _mm256_loadu_ps(start + 32), _mm256_loadu_ps(start + 40)};
+  Row r0 = first, r1 = first;
+  const float* x1 = x + (MR == 2 ? ldx : 0);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = panel + k * kPanel;
+    r0.add(x[k], w);
+    if constexpr (MR == 2) r1.add(x1[k], w);
+  }
+  const Row rows[2] = {r0, r1};
+  for (int m = 0; m < MR; ++m) {
+    const __m256 sums[kVectors] = {rows[m].s0, rows[m].s1, rows[m].s2,
+                                   rows[m].s3, rows[m].s4, rows[m].s5};
+    for (int v = 0; v < kVectors; ++v) {
+      __m256 out = sums[v];
+      if (res != nullptr) {
+        out = _mm256_add_ps(out, _mm256_maskload_ps(res + m * ldy + 8 * v, lanes[v]));
+      }
+      _mm256_maskstore_ps(y + m * ldy + 8 * v, lanes[v], out);
+    }
+  }
+}
+
+// The sums of one row of a wide tile: three vectors, half a panel row's 24 columns.
+struct Half {
+  __m256 s0, s1, s2;
+
+  inline void add(float xk, __m256 w0, __m256 w1, __m256 w2) {
+    const __m256 b = _mm256_set1_ps(xk);
+    s0 = _mm256_fmadd_ps(b, w0, s0);
+    s1 = _mm256_fmadd_ps(b, w1, s1);
+    s2 = _mm256_fmadd_ps(b, w2, s2);
+  }
+};
+
+// y[0:4, 0:cols) = x[0:4, :] @ half (+ bias) (+ res), cols 1 to 24 of the half panel
+// that starts at `half`: four rows by three vectors, the weights loaded once a k for
+// all four (a tall tile reads fewer bytes per multiply-add than the two-row one, whose
+// loads, not its arithmetic, bound it).
+inline void tall_tile(const float* x, int64_t ldx, int64_t K, const float* half,
+                      const float* bias, const float* res, float* y, int64_t ldy, int64_t cols) {
+  __m256i lanes[3];
+  for (int v = 0; v < 3; ++v) {
+    const int64_t left = cols - 8 * v;
+    lanes[v] = first_lanes(left < 0 ? 0 : (left > 8 ? 8 : left));
+  }
+  float start[24] = {};
+  if (bias != nullptr) std::memcpy(start, bias, sizeof(float) * cols);
+  const Half first{_mm256_loadu_ps(start), _mm256_loadu_ps(start + 8),
+                   _mm256_loadu_ps(start + 16)};
+  Half r0 = first, r1 = first, r2 = first, r3 = first;
+  const float *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = half + k * kPanel;
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    const __m256 w2 = _mm256_loadu_ps(w + 16);
+    r0.add(x[k], w0, w1, w2);
+    r1.add(x1[k], w0, w1, w2);
+    r2.add(x2[k], w0, w1, w2);
+    r3.add(x3[k], w0, w1, w2);
+  }
+  const Half rows[4] = {r0, r1, r2, r3};
+  for (int m = 0; m < 4; ++m) {
+    const __m256 sums[3] = {rows[m].s0, rows[m].s1, rows[m].s2};
+    for (int v = 0; v < 3; ++v) {
+      __m256 out = sums[v];
+      if (res != nullptr) {
+        out = _mm256_add_ps(out, _mm256_maskload_ps(res + m * ldy + 8 * v, lanes[v]));
+      }
+      _mm256_maskstore_ps(y + m * ldy + 8 * v, lanes[v], out);
+    }
+  }
+}
+
+// One work item, as the AVX-512 one: rows [m0, m0 + m) of x by panel p.
+void run_item(const float* x, const float* panels, int64_t panel_size, const float* bias,
+              const float* res, float* y, int64_t K, int64_t N, int64_t m0, int64_t M,
+              int64_t p) {
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
+  const float* panel = panels + p * panel_size;
+  const float* b = bias != nullptr ? bias + n0 : nullptr;
+  const auto at = [&](int64_t row) {
+    return res != nullptr ? res + (m0 + row) * N + n0 : nullptr;
+  };
+  int64_t m = 0;
+  if (M >= kTallRows) {  // tall tiles over each half of the panel, then the rows left
+    for (int64_t h = 0; h < cols; h += kPanel / 2) {
+      const int64_t width = cols - h < kPanel / 2 ? cols - h : kPanel / 2;
+      const float* bh = b != nullptr ? b + h : nullptr;
+      for (m = 0; m + kTallRows <= M; m += kTallRows) {
+        const float* rh = res != nullptr ? at(m) + h : nullptr;
+        tall_tile(x + (m0 + m) * K, K, K, panel + h, bh, rh, y + (m0 + m) * N + n0 + h, N,
+                  width);
+      }
+    }
+  }
+  for (; m + kTileRows <= M; m += kTileRows) {
+    tile<kTileRows>(x + (m0 + m) * K, K, K, panel, b, at(m), y + (m0 + m) * N + n0, N, cols);
+  }
+  const float* xm = x + (m0 + m) * K;
+  float* ym = y + (m0 + m) * N + n0;
+  if (m < M) tile<1>(xm, K, K, panel, b, at(m), ym, N, cols);
+}
+
+}  // namespace
+#endif  // __AVX512F__, else AVX2
+
+#if defined(TANDEM_PANELS)
+namespace {
+
 // x @ weight^T (+ bias) (+ residual): the residual, of the output's shape and x's
 // dtype, added to the finished product (a layer's `hidden + o_proj(attn)` in one pass).
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
@@ -267,4 +442,4 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("linear_panels", linear_panels); }
 
-#endif  // __AVX512F__
+#endif  // TANDEM_PANELS
