@@ -1065,8 +1065,15 @@ class VsVllmResult:
     rows: list[VsVllmRow]
 
     @property
+    def vectors(self) -> str:
+        """The widest vector instructions of the machine's record: the CPU kernels
+        tandem builds, and vLLM's, differ between AVX2 and AVX-512."""
+        isa = self.machine.get("isa") or []
+        return "AVX-512" if "avx512f" in isa else ("AVX2" if "avx2" in isa else "")
+
+    @property
     def label(self) -> str:
-        return f"{self.model} {self.dtype}"
+        return f"{self.model} {self.dtype}" + (f", {self.vectors}" if self.vectors else "")
 
 
 def _positive_int(check: _Checker, obj: dict[str, Any], key: str, where: str) -> int:
@@ -1179,7 +1186,8 @@ def _vs_results(results: list[Result]) -> list[tuple[Result, VsVllmResult]]:
 
 def _vs_table(results: list[Result]) -> str:
     """One row per file and concurrency, then per file its setting and commands."""
-    head = ["model", "dtype", "concurrency", "tandem tok/s", "vLLM tok/s", "tandem / vLLM"]
+    head = ["model", "dtype", "CPU", "concurrency", "tandem tok/s", "vLLM tok/s"]
+    head += ["tandem / vLLM"]
     head += ["TPOT p50, tandem", "TPOT p50, vLLM", "TTFT p50, tandem", "TTFT p50, vLLM"]
     rows = [head]
     for _, v in _vs_results(results):
@@ -1188,6 +1196,7 @@ def _vs_table(results: list[Result]) -> str:
                 [
                     v.model,
                     v.dtype,
+                    v.vectors,
                     str(row.concurrency),
                     _fmt(row.get("tandem", "output_throughput"), "{:.1f}"),
                     _fmt(row.get("vllm", "output_throughput"), "{:.1f}"),
@@ -1206,6 +1215,7 @@ def _vs_table(results: list[Result]) -> str:
 
 def _vs_setting(r: Result, v: VsVllmResult) -> str:
     """What one file ran on and how: the machine, the versions, the exact commands."""
+    vectors = f", {v.vectors}" if v.vectors else ""
     machine, versions = v.machine, v.versions
     software = [f"torch {versions['torch']}"]
     if isinstance(versions.get("vllm"), str):
@@ -1229,7 +1239,8 @@ def _vs_setting(r: Result, v: VsVllmResult) -> str:
     ]
     return (
         f"**`{r.name}`**: {v.model} ({v.parameters / 1e6:.1f}M parameters), {v.dtype}, on "
-        f"{machine['cpu_model']} ({machine['cores']} cores); {', '.join(software)}{shape}; "
+        f"{machine['cpu_model']} ({machine['cores']} cores{vectors}); "
+        f"{', '.join(software)}{shape}; "
         f"requests per concurrency level: {prompts}. The commands (the script's, then each "
         f"server's with the environment it was given):\n\n```bash\n" + "\n".join(lines) + "\n```"
     )

@@ -306,11 +306,24 @@ def _write(folder: Path, record: dict[str, Any]) -> Path:
 
 
 def test_docs_hook_renders_the_file(hook: ModuleType, tmp_path: Path) -> None:
-    result = hook._load(_write(tmp_path, _record()), tmp_path)
+    record = _record()
+    record["machine"]["isa"] = ["avx2", "avx512_bf16", "avx512f"]
+    result = hook._load(_write(tmp_path, record), tmp_path)
     assert result.kind == "vs_vllm_cpu"
     table = hook._vs_table([result])
-    assert "| 10m | float32 | 1 | 30.0 | 40.0 | 0.75 | 9.9 ms | 9.9 ms | 9 ms | 9 ms |" in table
-    assert "| 10m | float32 | 8 | 200.0 | 100.0 | 2.00 |" in table
+    row = "| 10m | float32 | AVX-512 | 1 | 30.0 | 40.0 | 0.75 | 9.9 ms | 9.9 ms | 9 ms | 9 ms |"
+    assert row in table
+    assert "| 10m | float32 | AVX-512 | 8 | 200.0 | 100.0 | 2.00 |" in table
+    assert f"({record['machine']['cores']} cores, AVX-512)" in table
+    assert "(10m float32, AVX-512)" in hook._vs_summary([result])
+    # The vector instructions the machine had: AVX2 alone, or none recorded.
+    record["machine"]["isa"] = ["avx2"]
+    avx2 = hook._load(_write(tmp_path, record), tmp_path)
+    assert "| 10m | float32 | AVX2 | 1 |" in hook._vs_table([avx2])
+    del record["machine"]["isa"]
+    unknown = hook._load(_write(tmp_path, record), tmp_path)
+    assert "| 10m | float32 |  | 1 |" in hook._vs_table([unknown])
+    assert "(10m float32)" in hook._vs_summary([unknown])
     assert "python tools/bench_vllm_cpu.py --model 10m --concurrency 1 8" in table
     assert "VLLM_CPU_KVCACHE_SPACE=1 '<vllm venv>/bin/python' -m" in table
     assert "0.75 at 1, 2.00 at 8" in hook._vs_summary([result])
