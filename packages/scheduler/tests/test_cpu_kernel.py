@@ -196,7 +196,12 @@ def test_a_build_is_kept_and_loaded_again(
     os.utime(built, ns=(0, stamp))  # last loaded long ago
     monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)  # as a new process would
     monkeypatch.setattr(cpu_kernel, "_build", lambda *args: pytest.fail("built again"))
+    # Recorded, not loaded: this process may hold another file's registration of the
+    # same ops (a test's build in a temporary folder), and a second one aborts it.
+    loads: list[str] = []
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
     assert cpu_kernel.load_cpu_kernels(kernel_dir)
+    assert loads == [str(built)]
     assert built.stat().st_mtime_ns == stamp
     assert built.stat().st_atime > time.time() - 60  # the load marked it used
     # Another source, torch, compiler or flag set is another file.
