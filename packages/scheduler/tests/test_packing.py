@@ -5,6 +5,7 @@ packing must reach what the forward reads."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -120,6 +121,21 @@ def test_onednn_is_available_for_the_dtypes_this_cpu_multiplies() -> None:
     assert onednn_available(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert onednn_available(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
     assert not onednn_available(torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_warns_where_onednn_cannot_multiply_the_dtype(
+    dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = load_model(None, _config(), dtype=dtype, device="cpu", load_format="dummy")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tandem.scheduler.models.decoder"):
+        model.pack()
+    warned = [m for r in caplog.records if "oneDNN cannot multiply" in (m := r.getMessage())]
+    assert bool(warned) == (not onednn_available(dtype))
+    if warned:
+        assert "bfloat16" in warned[0]
+        assert "--dtype float32" in warned[0]
 
 
 def test_a_tied_head_keeps_the_embedding_rows() -> None:

@@ -10,6 +10,7 @@ is a copy by name.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,8 @@ from tandem.scheduler.models.tensor_parallel import (
 # Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
 _FUSED_NORM_MAX_ELEMENTS = 64 * 1024
 _HAS_TRITON = triton_available()  # importing the model never imports Triton
+
+log = logging.getLogger(__name__)
 
 
 def _fused_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -381,7 +384,15 @@ class CausalLM(nn.Module):
             column_major = cpu
         if onednn is None:
             onednn = column_major and self.config.hidden_size >= ONEDNN_MIN_HIDDEN
-        onednn = onednn and cpu and onednn_available(self.lm_head.weight.dtype)
+        dtype = self.lm_head.weight.dtype
+        if cpu and dtype in (torch.bfloat16, torch.float16) and not onednn_available(dtype):
+            log.warning(
+                "oneDNN cannot multiply %s on this CPU (it needs AVX-512 BW/VL/DQ or "
+                "AVX-NE-CONVERT): the model's products take torch's fallback, up to hundreds of "
+                "times slower than in float32 here; serve it with --dtype float32",
+                str(dtype).removeprefix("torch."),
+            )
+        onednn = onednn and cpu and onednn_available(dtype)
         for layer in self.model.layers:
             layer.self_attn.pack(column_major, onednn, threads)
             layer.mlp.pack(column_major, onednn, threads)
