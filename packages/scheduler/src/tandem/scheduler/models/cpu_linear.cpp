@@ -210,6 +210,27 @@ inline __m256i first_lanes(int64_t valid) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), index);
 }
 
+// The V vectors a row's sums start from: bias[0:cols) (cols 1 to 8V), zero past it.
+template <int V>
+inline void start_sums(const float* bias, int64_t cols, __m256 (&start)[V]) {
+  float values[8 * V] = {};
+  if (bias != nullptr) std::memcpy(values, bias, sizeof(float) * cols);
+  for (int v = 0; v < V; ++v) start[v] = _mm256_loadu_ps(values + 8 * v);
+}
+
+// y[0:cols) = one row's V vectors of sums (+ res[0:cols)), the residual added to the
+// finished sum, as `res + x @ w` adds it after the product.
+template <int V>
+inline void store_row(const __m256 (&sums)[V], int64_t cols, const float* res, float* y) {
+  for (int v = 0; v < V; ++v) {
+    const int64_t left = cols - 8 * v;
+    const __m256i lanes = first_lanes(left < 0 ? 0 : (left > 8 ? 8 : left));
+    __m256 out = sums[v];
+    if (res != nullptr) out = _mm256_add_ps(out, _mm256_maskload_ps(res + 8 * v, lanes));
+    _mm256_maskstore_ps(y + 8 * v, lanes, out);
+  }
+}
+
 // The sums of one row of a tile: six vectors, one panel row's 48 columns.
 struct Row {
   __m256 s0, s1, s2, s3, s4, s5;
@@ -235,16 +256,9 @@ template <int MR>
 inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias,
                  const float* res, float* y, int64_t ldy, int64_t cols) {
   static_assert(MR == 1 || MR == 2, "a tile is one or two rows");
-  __m256i lanes[kVectors];
-  for (int v = 0; v < kVectors; ++v) {
-    const int64_t left = cols - 8 * v;
-    lanes[v] = first_lanes(left < 0 ? 0 : (left > 8 ? 8 : left));
-  }
-  float start[kPanel] = {};
-  if (bias != nullptr) std::memcpy(start, bias, sizeof(float) * cols);
-  const Row first{_mm256_loadu_ps(start), _mm256_loadu_ps(start + 8),
-                  _mm256_loadu_ps(start + 16), _mm256_loadu_ps(start + 24),
-                  _mm256_loadu_ps(start + 32), _mm256_loadu_ps(start + 40)};
+  __m256 start[kVectors];
+  start_sums(bias, cols, start);
+  const Row first{start[0], start[1], start[2], start[3], start[4], start[5]};
   Row r0 = first, r1 = first;
   const float* x1 = x + (MR == 2 ? ldx : 0);
   for (int64_t k = 0; k < K; ++k) {
@@ -256,13 +270,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, con
   for (int m = 0; m < MR; ++m) {
     const __m256 sums[kVectors] = {rows[m].s0, rows[m].s1, rows[m].s2,
                                    rows[m].s3, rows[m].s4, rows[m].s5};
-    for (int v = 0; v < kVectors; ++v) {
-      __m256 out = sums[v];
-      if (res != nullptr) {
-        out = _mm256_add_ps(out, _mm256_maskload_ps(res + m * ldy + 8 * v, lanes[v]));
-      }
-      _mm256_maskstore_ps(y + m * ldy + 8 * v, lanes[v], out);
-    }
+    store_row(sums, cols, res != nullptr ? res + m * ldy : nullptr, y + m * ldy);
   }
 }
 
@@ -284,15 +292,9 @@ struct Half {
 // loads, not its arithmetic, bound it).
 inline void tall_tile(const float* x, int64_t ldx, int64_t K, const float* half,
                       const float* bias, const float* res, float* y, int64_t ldy, int64_t cols) {
-  __m256i lanes[3];
-  for (int v = 0; v < 3; ++v) {
-    const int64_t left = cols - 8 * v;
-    lanes[v] = first_lanes(left < 0 ? 0 : (left > 8 ? 8 : left));
-  }
-  float start[24] = {};
-  if (bias != nullptr) std::memcpy(start, bias, sizeof(float) * cols);
-  const Half first{_mm256_loadu_ps(start), _mm256_loadu_ps(start + 8),
-                   _mm256_loadu_ps(start + 16)};
+  __m256 start[3];
+  start_sums(bias, cols, start);
+  const Half first{start[0], start[1], start[2]};
   Half r0 = first, r1 = first, r2 = first, r3 = first;
   const float *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
   for (int64_t k = 0; k < K; ++k) {
@@ -307,13 +309,7 @@ inline void tall_tile(const float* x, int64_t ldx, int64_t K, const float* half,
   const Half rows[4] = {r0, r1, r2, r3};
   for (int m = 0; m < 4; ++m) {
     const __m256 sums[3] = {rows[m].s0, rows[m].s1, rows[m].s2};
-    for (int v = 0; v < 3; ++v) {
-      __m256 out = sums[v];
-      if (res != nullptr) {
-        out = _mm256_add_ps(out, _mm256_maskload_ps(res + m * ldy + 8 * v, lanes[v]));
-      }
-      _mm256_maskstore_ps(y + m * ldy + 8 * v, lanes[v], out);
-    }
+    store_row(sums, cols, res != nullptr ? res + m * ldy : nullptr, y + m * ldy);
   }
 }
 
