@@ -159,6 +159,15 @@ def bf16_kernels() -> bool:
     return "-mavx512bf16" in _flags()
 
 
+def bf16_panels() -> bool:
+    """Whether tandem's product (``linear_panels``, ``models/cpu_linear.cpp``) takes
+    bfloat16 in the kernels built on this machine: with AVX512-BF16's pairwise dot
+    product, or, in an AVX2 build (no AVX-512), with float32 arithmetic over the
+    widened pairs. An AVX-512 CPU without BF16 has oneDNN's bfloat16 product instead."""
+    flags = _flags()
+    return "-mavx512bf16" in flags or ("-mavx2" in flags and "-mavx512f" not in flags)
+
+
 def _build(compiler: str, flags: list[str], library: Path) -> None:
     """Compile ``SOURCES`` into ``library``, atomically (a temporary file renamed)."""
     # torch's own headers and libraries, found beside its package (what

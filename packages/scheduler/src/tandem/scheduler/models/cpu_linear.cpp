@@ -21,11 +21,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define TANDEM_PANELS 1
@@ -191,23 +193,65 @@ void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, co
 }  // namespace
 
 #elif defined(TANDEM_PANELS)
-// AVX2 with FMA (eight float32 lanes, sixteen vector registers; float32 only): the same
-// panels and work items, two kinds of tile. A work item of four rows or more goes in
-// tall tiles, 4 rows by half a panel (4 x 3 vectors of sums, the three weight vectors
-// loaded once a k for the four rows), over each half of the panel in turn; the rows
-// left, and items of fewer rows, in tiles of 2 rows (or 1) by the whole panel row
+// AVX2 with FMA (eight float32 lanes, sixteen vector registers): the same panels and
+// work items, two kinds of tile. A work item of four rows or more goes in tall tiles,
+// 4 rows by part of a panel (4 x 3 vectors of sums, or 4 x 2 for bfloat16, the weight
+// vectors loaded once a k for the four rows), over each part of the panel in turn; the
+// rows left, and items of fewer rows, in tiles of 2 rows (or 1) by the whole panel row
 // (2 x 6 sums, each weight vector an operand straight from the cache), which read the
 // panel as one address-ordered stream, as a decode step of a few tokens needs.
+//
+// bfloat16 (AVX2 has no bfloat16 arithmetic): the k-pair panels of the AVX-512 tile
+// above, widened in registers. A 32-bit lane holds one column's weights for inputs 2j
+// and 2j + 1; as float32, the first is the lane shifted left by 16 and the second the
+// lane with its low half cleared, exactly (a bfloat16 is a float32's high half). x and
+// the bias are widened to float32 once a call, and the sums kept in float32 and
+// rounded to bfloat16 once, at the store, as oneDNN's bfloat16 products do. The
+// weights are half the bytes of float32 ones: a decode step of a few tokens, which
+// streams them from memory, takes about half as long.
 namespace {
 
 constexpr int64_t kTileRows = 2;   // rows of x per tile: 2 x 6 sums in registers
-constexpr int64_t kTallRows = 4;   // rows of x per tall tile: 4 x 3 sums
+constexpr int64_t kTallRows = 4;   // rows of x per tall tile
 constexpr int kVectors = kPanel / 8;
+
+using Pairs = uint16_t;  // a bfloat16 panel's elements, read as bits
+
+// The panel's row j (input k = j for float32, the pair 2j, 2j + 1 for bfloat16).
+inline const float* panel_row(const float* panel, int64_t j) { return panel + j * kPanel; }
+inline const Pairs* panel_row(const Pairs* panel, int64_t j) { return panel + j * 2 * kPanel; }
+
+// The float32 weights for inputs 2j (even) and 2j + 1 (odd) of the eight columns whose
+// pairs are at w.
+inline void widen_pairs(const Pairs* w, __m256& even, __m256& odd) {
+  const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(-65536)));
+}
+
+// s += b0 * the even weights + b1 * the odd ones of the eight columns at w.
+inline void add_pairs(__m256& s, __m256 b0, __m256 b1, const Pairs* w) {
+  __m256 even, odd;
+  widen_pairs(w, even, odd);
+  s = _mm256_fmadd_ps(b1, odd, _mm256_fmadd_ps(b0, even, s));
+}
 
 // The first `valid` (0 to 8) lanes of a vector, as maskload and maskstore take them.
 inline __m256i first_lanes(int64_t valid) {
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), index);
+}
+
+// Eight float32 sums rounded to bfloat16 (to nearest, ties to even; a NaN stays a
+// quiet NaN), as torch rounds them.
+inline __m128i round_bf16(__m256 sums) {
+  const __m256i bits = _mm256_castps_si256(sums);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i top = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(sums, sums, _CMP_UNORD_Q);
+  top = _mm256_blendv_epi8(top, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
+  return _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
 }
 
 // The V vectors a row's sums start from: bias[0:cols) (cols 1 to 8V), zero past it.
@@ -231,14 +275,37 @@ inline void store_row(const __m256 (&sums)[V], int64_t cols, const float* res, f
   }
 }
 
+// The same in bfloat16: the sums rounded, then, with a residual, added to it and
+// rounded again, as torch's add of the rounded product.
+template <int V>
+inline void store_row(const __m256 (&sums)[V], int64_t cols, const at::BFloat16* res,
+                      at::BFloat16* y) {
+  for (int v = 0; v < V && 8 * v < cols; ++v) {
+    const int64_t valid = cols - 8 * v < 8 ? cols - 8 * v : 8;
+    __m128i out = round_bf16(sums[v]);
+    if (res != nullptr) {
+      uint16_t added[8] = {};
+      std::memcpy(added, res + 8 * v, sizeof(uint16_t) * valid);
+      const auto widen = [](__m128i half) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+      };
+      const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(added));
+      out = round_bf16(_mm256_add_ps(widen(out), widen(r)));
+    }
+    uint16_t values[8];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(values), out);
+    std::memcpy(y + 8 * v, values, sizeof(uint16_t) * valid);
+  }
+}
+
 // The sums of one row of a tile: six vectors, one panel row's 48 columns.
 struct Row {
   __m256 s0, s1, s2, s3, s4, s5;
 
   // += x[k] * the panel's row k, whose six vectors are the operands straight from the
   // cache.
-  inline void add(float xk, const float* w) {
-    const __m256 b = _mm256_set1_ps(xk);
+  inline void add(const float* x, int64_t k, const float* w) {
+    const __m256 b = _mm256_set1_ps(x[k]);
     s0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w), s0);
     s1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 8), s1);
     s2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 16), s2);
@@ -246,25 +313,37 @@ struct Row {
     s4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 32), s4);
     s5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 40), s5);
   }
+
+  // += x[2j] * the even weights of the panel's row j + x[2j + 1] * its odd ones.
+  inline void add(const float* x, int64_t j, const Pairs* w) {
+    const __m256 b0 = _mm256_set1_ps(x[2 * j]), b1 = _mm256_set1_ps(x[2 * j + 1]);
+    add_pairs(s0, b0, b1, w);
+    add_pairs(s1, b0, b1, w + 16);
+    add_pairs(s2, b0, b1, w + 32);
+    add_pairs(s3, b0, b1, w + 48);
+    add_pairs(s4, b0, b1, w + 64);
+    add_pairs(s5, b0, b1, w + 80);
+  }
 };
 
-// y[0:MR, 0:cols) = x[0:MR, :] @ panel (+ bias) (+ res), MR 1 or 2; the residual is
-// added to the finished sum, as `res + x @ w` adds it after the product. The sums are
-// named variables, not an array: GCC kept an array's twelve vectors in registers but
-// also stored them all to the stack at every k, which halved the tile's rate.
-template <int MR>
-inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias,
-                 const float* res, float* y, int64_t ldy, int64_t cols) {
+// y[0:MR, 0:cols) = x[0:MR, :] @ panel (+ bias) (+ res), MR 1 or 2, over `steps` panel
+// rows; the residual is added to the finished sum, as `res + x @ w` adds it after the
+// product. The sums are named variables, not an array: GCC kept an array's twelve
+// vectors in registers but also stored them all to the stack at every k, which halved
+// the tile's rate.
+template <int MR, typename W, typename O>
+inline void tile(const float* x, int64_t ldx, int64_t steps, const W* panel, const float* bias,
+                 const O* res, O* y, int64_t ldy, int64_t cols) {
   static_assert(MR == 1 || MR == 2, "a tile is one or two rows");
   __m256 start[kVectors];
   start_sums(bias, cols, start);
   const Row first{start[0], start[1], start[2], start[3], start[4], start[5]};
   Row r0 = first, r1 = first;
   const float* x1 = x + (MR == 2 ? ldx : 0);
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = panel + k * kPanel;
-    r0.add(x[k], w);
-    if constexpr (MR == 2) r1.add(x1[k], w);
+  for (int64_t j = 0; j < steps; ++j) {
+    const W* w = panel_row(panel, j);
+    r0.add(x, j, w);
+    if constexpr (MR == 2) r1.add(x1, j, w);
   }
   const Row rows[2] = {r0, r1};
   for (int m = 0; m < MR; ++m) {
@@ -274,7 +353,9 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, con
   }
 }
 
-// The sums of one row of a wide tile: three vectors, half a panel row's 24 columns.
+// The sums of one row of a tall tile: three vectors, half a float32 panel row's 24
+// columns, or two, a third of a bfloat16 one's 48 (whose even and odd weights take
+// twice the registers).
 struct Half {
   __m256 s0, s1, s2;
 
@@ -286,19 +367,30 @@ struct Half {
   }
 };
 
-// y[0:4, 0:cols) = x[0:4, :] @ half (+ bias) (+ res), cols 1 to 24 of the half panel
-// that starts at `half`: four rows by three vectors, the weights loaded once a k for
+struct Third {
+  __m256 s0, s1;
+
+  inline void add(const float* x, int64_t j, __m256 e0, __m256 o0, __m256 e1, __m256 o1) {
+    const __m256 b0 = _mm256_set1_ps(x[2 * j]), b1 = _mm256_set1_ps(x[2 * j + 1]);
+    s0 = _mm256_fmadd_ps(b1, o0, _mm256_fmadd_ps(b0, e0, s0));
+    s1 = _mm256_fmadd_ps(b1, o1, _mm256_fmadd_ps(b0, e1, s1));
+  }
+};
+
+// y[0:4, 0:cols) = x[0:4, :] @ part (+ bias) (+ res), cols 1 to 24 of the half panel
+// that starts at `part`: four rows by three vectors, the weights loaded once a k for
 // all four (a tall tile reads fewer bytes per multiply-add than the two-row one, whose
 // loads, not its arithmetic, bound it).
-inline void tall_tile(const float* x, int64_t ldx, int64_t K, const float* half,
-                      const float* bias, const float* res, float* y, int64_t ldy, int64_t cols) {
+template <typename O>
+inline void tall_tile(const float* x, int64_t ldx, int64_t steps, const float* part,
+                      const float* bias, const O* res, O* y, int64_t ldy, int64_t cols) {
   __m256 start[3];
   start_sums(bias, cols, start);
   const Half first{start[0], start[1], start[2]};
   Half r0 = first, r1 = first, r2 = first, r3 = first;
   const float *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = half + k * kPanel;
+  for (int64_t k = 0; k < steps; ++k) {
+    const float* w = panel_row(part, k);
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
     const __m256 w2 = _mm256_loadu_ps(w + 16);
     r0.add(x[k], w0, w1, w2);
@@ -313,35 +405,68 @@ inline void tall_tile(const float* x, int64_t ldx, int64_t K, const float* half,
   }
 }
 
-// One work item, as the AVX-512 one: rows [m0, m0 + m) of x by panel p.
-void run_item(const float* x, const float* panels, int64_t panel_size, const float* bias,
-              const float* res, float* y, int64_t K, int64_t N, int64_t m0, int64_t M,
-              int64_t p) {
+// The same for bfloat16, cols 1 to 16 of the third of a panel whose pairs start at
+// `part`: four rows by two vectors, each pair of weight vectors widened once a j.
+template <typename O>
+inline void tall_tile(const float* x, int64_t ldx, int64_t steps, const Pairs* part,
+                      const float* bias, const O* res, O* y, int64_t ldy, int64_t cols) {
+  __m256 start[2];
+  start_sums(bias, cols, start);
+  const Third first{start[0], start[1]};
+  Third r0 = first, r1 = first, r2 = first, r3 = first;
+  const float *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+  for (int64_t j = 0; j < steps; ++j) {
+    const Pairs* w = panel_row(part, j);
+    __m256 e0, o0, e1, o1;
+    widen_pairs(w, e0, o0);
+    widen_pairs(w + 16, e1, o1);
+    r0.add(x, j, e0, o0, e1, o1);
+    r1.add(x1, j, e0, o0, e1, o1);
+    r2.add(x2, j, e0, o0, e1, o1);
+    r3.add(x3, j, e0, o0, e1, o1);
+  }
+  const Third rows[4] = {r0, r1, r2, r3};
+  for (int m = 0; m < 4; ++m) {
+    const __m256 sums[2] = {rows[m].s0, rows[m].s1};
+    store_row(sums, cols, res != nullptr ? res + m * ldy : nullptr, y + m * ldy);
+  }
+}
+
+// One work item, as the AVX-512 one: rows [m0, m0 + M) of x by panel p. x and the
+// bias are float32 (a bfloat16 call's widened, x with K rounded up to even, the pad
+// zero), W the panel's elements (float, or Pairs), O the output's and residual's type;
+// `steps`: the panel's rows, `ldx`: x's row stride.
+template <typename W, typename O>
+void run_item(const float* x, int64_t ldx, const W* panels, int64_t panel_size,
+              const float* bias, const O* res, O* y, int64_t steps, int64_t N, int64_t m0,
+              int64_t M, int64_t p) {
+  constexpr bool pairs = std::is_same_v<W, Pairs>;
+  constexpr int64_t part_cols = pairs ? 16 : kPanel / 2;  // a tall tile's columns
   const int64_t n0 = p * kPanel;
   const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
-  const float* panel = panels + p * panel_size;
+  const W* panel = panels + p * panel_size;
   const float* b = bias != nullptr ? bias + n0 : nullptr;
   const auto at = [&](int64_t row) {
     return res != nullptr ? res + (m0 + row) * N + n0 : nullptr;
   };
   int64_t m = 0;
-  if (M >= kTallRows) {  // tall tiles over each half of the panel, then the rows left
-    for (int64_t h = 0; h < cols; h += kPanel / 2) {
-      const int64_t width = cols - h < kPanel / 2 ? cols - h : kPanel / 2;
+  if (M >= kTallRows) {  // tall tiles over each part of the panel, then the rows left
+    for (int64_t h = 0; h < cols; h += part_cols) {
+      const int64_t width = cols - h < part_cols ? cols - h : part_cols;
       const float* bh = b != nullptr ? b + h : nullptr;
       for (m = 0; m + kTallRows <= M; m += kTallRows) {
-        const float* rh = res != nullptr ? at(m) + h : nullptr;
-        tall_tile(x + (m0 + m) * K, K, K, panel + h, bh, rh, y + (m0 + m) * N + n0 + h, N,
-                  width);
+        const O* rh = res != nullptr ? at(m) + h : nullptr;
+        tall_tile(x + (m0 + m) * ldx, ldx, steps, panel + (pairs ? 2 * h : h), bh, rh,
+                  y + (m0 + m) * N + n0 + h, N, width);
       }
     }
   }
   for (; m + kTileRows <= M; m += kTileRows) {
-    tile<kTileRows>(x + (m0 + m) * K, K, K, panel, b, at(m), y + (m0 + m) * N + n0, N, cols);
+    tile<kTileRows>(x + (m0 + m) * ldx, ldx, steps, panel, b, at(m), y + (m0 + m) * N + n0, N,
+                    cols);
   }
-  const float* xm = x + (m0 + m) * K;
-  float* ym = y + (m0 + m) * N + n0;
-  if (m < M) tile<1>(xm, K, K, panel, b, at(m), ym, N, cols);
+  if (m < M) tile<1>(x + (m0 + m) * ldx, ldx, steps, panel, b, at(m), y + (m0 + m) * N + n0, N,
+                     cols);
 }
 
 }  // namespace
@@ -359,8 +484,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK((x.scalar_type() == at::kFloat || bf16) && panels.scalar_type() == x.scalar_type(),
               "tandem::linear_panels takes float32 or bfloat16 (x and weight alike), got ",
               x.scalar_type(), " and ", panels.scalar_type());
-#if !defined(__AVX512BF16__)
-  TORCH_CHECK(!bf16, "tandem::linear_panels: bfloat16 needs AVX512_BF16, not in this build");
+#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+  TORCH_CHECK(!bf16, "tandem::linear_panels: bfloat16 needs AVX512_BF16 in an AVX-512 build, "
+              "not in this one");
 #endif
   const int64_t width = bf16 ? 2 * kPanel : kPanel;  // a bfloat16 panel row is a k-pair
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == width && panels.is_contiguous(),
@@ -401,30 +527,60 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   // Work items: (chunk of rows, panel), panels inner, handed out evenly: a few tokens'
   // step splits the panels between the threads, a prefill its rows. The chunks are of
   // equal size (96 rows: two of 48, not 64 and 32).
-  const void* xv = rows.data_ptr();
-  const void* pv = panels.data_ptr();
-  void* yv = y.data_ptr();
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = (M + chunks - 1) / chunks;
-  at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item / P, p = item % P;
-      const int64_t m0 = chunk * chunk_rows;
-      const int64_t m = M - m0 < chunk_rows ? M - m0 : chunk_rows;
-      if (!bf16) {
-        run_item(static_cast<const float*>(xv), static_cast<const float*>(pv), depth * width,
-                 static_cast<const float*>(bp), static_cast<const float*>(rp),
-                 static_cast<float*>(yv), K, N, m0, m, p);
-        continue;
+  const auto items = [&](auto&& run) {
+    at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t chunk = item / P, p = item % P;
+        const int64_t m0 = chunk * chunk_rows;
+        run(m0, M - m0 < chunk_rows ? M - m0 : chunk_rows, p);
       }
+    });
+  };
+  const int64_t panel_size = depth * width;
+#if defined(__AVX512F__)
+  const auto product = [&](const auto* x, const auto* w, const auto* b, const auto* r, auto* out) {
+    items([&](int64_t m0, int64_t m, int64_t p) {
+      run_item(x, w, panel_size, b, r, out, K, N, m0, m, p);
+    });
+  };
+  if (!bf16) {
+    product(rows.const_data_ptr<float>(), panels.const_data_ptr<float>(),
+            static_cast<const float*>(bp), static_cast<const float*>(rp), y.data_ptr<float>());
+  }
 #if defined(__AVX512BF16__)
-      using bf = at::BFloat16;
-      run_item(static_cast<const bf*>(xv), static_cast<const bf*>(pv), depth * width,
-               static_cast<const bf*>(bp), static_cast<const bf*>(rp), static_cast<bf*>(yv), K,
-               N, m0, m, p);
+  using bf = at::BFloat16;
+  if (bf16) {
+    product(rows.const_data_ptr<bf>(), panels.const_data_ptr<bf>(), static_cast<const bf*>(bp),
+            static_cast<const bf*>(rp), y.data_ptr<bf>());
+  }
 #endif
-    }
-  });
+#else
+  if (!bf16) {
+    const float* x = rows.const_data_ptr<float>();
+    const float* w = panels.const_data_ptr<float>();
+    float* out = y.data_ptr<float>();
+    items([&](int64_t m0, int64_t m, int64_t p) {
+      run_item(x, K, w, panel_size, static_cast<const float*>(bp), static_cast<const float*>(rp),
+               out, K, N, m0, m, p);
+    });
+  } else {
+    // x widened to float32 once, its rows padded to whole pairs (the pad times the
+    // panels' zero second place), and the bias with it.
+    const at::Tensor wide = at::zeros({M, 2 * depth}, rows.options().dtype(at::kFloat));
+    wide.narrow(1, 0, K).copy_(rows);
+    const at::Tensor bias32 = bp != nullptr ? bias->to(at::kFloat) : at::Tensor();
+    const float* x = wide.const_data_ptr<float>();
+    const float* b = bp != nullptr ? bias32.const_data_ptr<float>() : nullptr;
+    const auto* w = reinterpret_cast<const Pairs*>(panels.const_data_ptr<at::BFloat16>());
+    at::BFloat16* out = y.data_ptr<at::BFloat16>();
+    items([&](int64_t m0, int64_t m, int64_t p) {
+      run_item(x, 2 * depth, w, panel_size, b, static_cast<const at::BFloat16*>(rp), out, depth,
+               N, m0, m, p);
+    });
+  }
+#endif
   return y.view(shape);
 }
 

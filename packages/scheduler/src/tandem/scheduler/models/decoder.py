@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.scheduler.attention import triton_available
+from tandem.scheduler.attention import cpu_kernel, triton_available
 from tandem.scheduler.attention.base import AttentionBackend
 from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.models.config import ModelConfig
@@ -336,7 +336,7 @@ class CausalLM(nn.Module):
             self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.head: PackedLinear | None = None  # the CPU's oneDNN head, set by ``pack``
+        self.head: PackedLinear | None = None  # the CPU's blocked head, set by ``pack``
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -373,7 +373,8 @@ class CausalLM(nn.Module):
     ) -> None:
         """Lay the weights out for inference: fused q/k/v and gate/up projections,
         column-major weights (default: on the CPU) and oneDNN copies (default: on the
-        CPU, for a hidden size of at least ``ONEDNN_MIN_HIDDEN``). ``forward_threads``:
+        CPU, for a hidden size of at least ``ONEDNN_MIN_HIDDEN``, where oneDNN takes the
+        dtype; the products are then ``blocked``, for panels). ``forward_threads``:
         the intra-op threads the forward will run on (default: the calling thread's),
         which pick the product for one float32 token (``packing.dense_up_to``). Call
         after loading and placing the model (see ``models.packing``); the forward is
@@ -385,14 +386,18 @@ class CausalLM(nn.Module):
         if onednn is None:
             onednn = column_major and self.config.hidden_size >= ONEDNN_MIN_HIDDEN
         dtype = self.lm_head.weight.dtype
-        if cpu and dtype in (torch.bfloat16, torch.float16) and not onednn_available(dtype):
+        # Without oneDNN, tandem's product multiplies bfloat16 on AVX2 (with the fused ops).
+        panels = dtype == torch.bfloat16 and cpu_kernel.bf16_panels()
+        low = dtype in (torch.bfloat16, torch.float16)
+        if cpu and low and not onednn_available(dtype) and not panels:
             log.warning(
-                "oneDNN cannot multiply %s on this CPU (it needs AVX-512 BW/VL/DQ or "
-                "AVX-NE-CONVERT): the model's products take torch's fallback, up to hundreds of "
-                "times slower than in float32 here; serve it with --dtype float32",
+                "oneDNN cannot multiply %s on this CPU (bfloat16 needs AVX-512 BW/VL/DQ, "
+                "float16 AVX-512 FP16, or either AVX-NE-CONVERT): the model's products take "
+                "torch's fallback, up to hundreds of times slower than in float32 here; serve "
+                "it with --dtype float32",
                 str(dtype).removeprefix("torch."),
             )
-        onednn = onednn and cpu and onednn_available(dtype)
+        onednn = onednn and cpu
         for layer in self.model.layers:
             layer.self_attn.pack(column_major, onednn, threads)
             layer.mlp.pack(column_major, onednn, threads)

@@ -38,6 +38,10 @@ class PackedLinear:
     # The same weight in panels (``to_panels``) for tandem's own product (float32 or
     # bfloat16), which then takes every batch (``with_panels``), or None.
     panels: torch.Tensor | None = None
+    # Whether the CPU multiplies this weight by a copy in a blocked layout (a layer at
+    # least ``ONEDNN_MIN_HIDDEN`` wide, ``with_onednn``): oneDNN's, where oneDNN takes
+    # the dtype, and panels in its place where tandem's product does.
+    blocked: bool = False
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each layer's output, as views of one ``[..., sum(sizes)]`` result."""
@@ -118,15 +122,18 @@ def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
 
 @torch.no_grad()
 def with_onednn(packed: PackedLinear, forward_threads: int) -> PackedLinear:
-    """``packed`` with a copy of its weight in oneDNN's blocked layout, which the CPU
+    """``packed`` marked ``blocked``, with a copy of its weight in oneDNN's blocked
+    layout where oneDNN takes its dtype (``onednn_available``), which the CPU
     multiplies without repacking the weight at every call (MKL's ``sgemm`` copies its
     operand into a blocked buffer each time). ``forward_threads``: the forward's
     intra-op threads, which decide where a float32 single token goes (see
     ``dense_up_to``)."""
     weight = packed.weight.contiguous()
+    if not onednn_available(weight.dtype):  # panels may still take its place
+        return PackedLinear(packed.weight, packed.bias, packed.sizes, blocked=True)
     onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
     dense = dense_up_to(weight.dtype, forward_threads)
-    return PackedLinear(packed.weight, packed.bias, packed.sizes, onednn, dense)
+    return PackedLinear(packed.weight, packed.bias, packed.sizes, onednn, dense, blocked=True)
 
 
 def dense_up_to(dtype: torch.dtype, forward_threads: int) -> int:
@@ -146,10 +153,10 @@ PANEL_COLUMNS = 48
 def panels_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether tandem's product is registered for ``dtype``: its CPU kernels are loaded
     (``attention.cpu_kernel``) and were built with AVX2 and FMA or with AVX-512, which
-    the op needs for float32, and for bfloat16 with AVX512_BF16."""
+    the op needs for float32, and for bfloat16 (``cpu_kernel.bf16_panels``)."""
     if not hasattr(torch.ops.tandem, "linear_panels"):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernel.bf16_kernels())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernel.bf16_panels())
 
 
 @torch.no_grad()
@@ -184,13 +191,14 @@ def with_panels(packed: PackedLinear) -> PackedLinear:
     against 51.6 at 64, and as long or less for a prefill, in float32; on a 2-core
     AVX2 CPU (the same cores with AVX-512 hidden) one layer's products take 0.9 against
     1.2 ms at 8 tokens, 3.0 against 3.1-3.3 at 32, as long at 64, and 4 % longer for a
-    prefill of 768 (61.5 against 59.0 ms). Unchanged unless
-    ``packed`` has a oneDNN copy of a float32 or bfloat16 weight and the op takes
-    that dtype here."""
+    prefill of 768 (61.5 against 59.0 ms). In bfloat16 on an AVX2 CPU, where oneDNN
+    cannot multiply it, the panels take the place of torch's own product, a hundred
+    times slower. Unchanged unless ``packed`` is ``blocked`` and the op takes its dtype
+    here."""
     weight = packed.weight
-    if packed.onednn is None or not panels_available(weight.dtype):
+    if not packed.blocked or not panels_available(weight.dtype):
         return packed
-    return PackedLinear(weight, packed.bias, packed.sizes, panels=to_panels(weight))
+    return PackedLinear(weight, packed.bias, packed.sizes, panels=to_panels(weight), blocked=True)
 
 
 def _empty_weight(rows: int, cols: int, like: torch.Tensor, column_major: bool) -> torch.Tensor:
