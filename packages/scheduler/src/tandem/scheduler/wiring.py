@@ -320,7 +320,8 @@ def _cpu_kernels(
 ) -> tuple[bool, bool]:
     """Which of tandem's C++ CPU kernels (``attention.cpu_kernel``, built on the first
     start on a machine) the forward uses: the decode attention (the ``torch`` backend;
-    float32, or bfloat16 on a CPU with AVX512-BF16 and heads it takes) unless
+    float32; bfloat16 on a CPU with AVX512-BF16 and heads it takes, and without
+    AVX512-BF16 the float32 kernel over widened operands) unless
     ``disable_cpu_decode_kernel``, and the model's fused element-wise ops (float32 or
     bfloat16; with them, float32 products for one or two tokens) unless
     ``disable_cpu_fused_ops``. Neither off the CPU, nor where the
@@ -328,11 +329,8 @@ def _cpu_kernels(
     if device.type != "cpu":
         return False, False
     dtype = heads.dtype
-    bf16 = (
-        dtype == torch.bfloat16
-        and bf16_kernels()
-        and bf16_kernel_fits(heads.num_heads, heads.num_kv_heads, heads.head_dim)
-    )
+    fits = bf16_kernel_fits(heads.num_heads, heads.num_kv_heads, heads.head_dim)
+    bf16 = dtype == torch.bfloat16 and (fits or not bf16_kernels())
     decode = not cfg.disable_cpu_decode_kernel and backend == "torch"
     decode = decode and (dtype == torch.float32 or bf16)
     fused = not cfg.disable_cpu_fused_ops and dtype in (torch.float32, torch.bfloat16)
