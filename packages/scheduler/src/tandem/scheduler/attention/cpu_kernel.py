@@ -20,6 +20,7 @@ docs/guides/adding-an-attention-backend.md, "The two backends".
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -159,13 +160,16 @@ def _has_avx512_bf16() -> bool:
     return bool(supported is not None and supported())
 
 
+@functools.cache
 def bf16_kernels() -> bool:
-    """Whether the kernels built on this machine take bfloat16: built with AVX512-BF16,
-    the only bfloat16 path of the decode kernel (``cpu_decode.cpp``) and of
-    ``linear_panels`` (``models/cpu_linear.cpp``)."""
+    """Whether the kernels built on this machine have their AVX512-BF16 paths: the
+    decode kernel's only bfloat16 path (``cpu_decode.cpp``; without it the engine
+    attends bfloat16 with the float32 path over widened operands) and one of
+    ``linear_panels``' two (``bf16_panels``). Fixed for the process, so asked once."""
     return "-mavx512bf16" in _flags()
 
 
+@functools.cache
 def bf16_panels() -> bool:
     """Whether tandem's product (``linear_panels``, ``models/cpu_linear.cpp``) takes
     bfloat16 in the kernels built on this machine: with AVX512-BF16's pairwise dot

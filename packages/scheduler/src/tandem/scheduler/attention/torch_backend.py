@@ -320,9 +320,9 @@ def _kernel_fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> b
     """Whether ``torch.ops.tandem.decode_attention`` takes this step: float32, or
     bfloat16 with heads of a multiple of 32 elements (at most 256) and at most 8 query
     heads per KV head (``bf16_kernel_fits``); K and V laid out alike (the stage, or the
-    gathered pages seen as ``[B, Hkv, L, D]``), each head's elements contiguous. The
-    engine turns the kernel on for bfloat16 only where the CPU has AVX512-BF16
-    (``cpu_kernel.bf16_kernels``)."""
+    gathered pages seen as ``[B, Hkv, L, D]``), each head's elements contiguous. It
+    takes bfloat16 only where the build has AVX512-BF16 (``cpu_kernel.bf16_kernels``);
+    elsewhere ``_grouped_decode`` hands it the operands widened to float32."""
     dtype = keys.dtype
     if dtype == torch.bfloat16:
         fits = bf16_kernel_fits(q.shape[1], keys.shape[1], keys.shape[-1])
