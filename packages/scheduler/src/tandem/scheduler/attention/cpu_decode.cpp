@@ -7,11 +7,12 @@
 // docs/guides/adding-an-attention-backend.md, "The two backends", its bullet "The CPU
 // decode kernel".
 //
-// Each (request, KV head) pair is one task of at::parallel_for, the forward's intra-op
-// threads: its G query heads are scored against each key as the key is read, so a
-// pair's keys and values leave memory once, whatever G. Keys past the last one whose
-// bias is finite (past the request's length) are not read. SDPA's CPU kernel spends
-// about twice as long on the same step, in one small matrix product per pair.
+// Each (request, KV head) pair is one task for the forward's intra-op threads, which
+// take them one at a time (for_each_item, cpu_math.h): its G query heads are scored
+// against each key as the key is read, so a pair's keys and values leave memory once,
+// whatever G. Keys past the last one whose bias is finite (past the request's length)
+// are not read. SDPA's CPU kernel spends about twice as long on the same step, in one
+// small matrix product per pair.
 //
 // float32 on AVX-512 (heads of a multiple of 16 elements, at most 256, at most 8 query
 // heads per KV head) scores sixteen keys at a time, their sixteen partial-sum
@@ -46,6 +47,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using tandem_cpu::exp_fast;
+using tandem_cpu::for_each_item;
 using tandem_cpu::to_bf16;
 
 // One (request, KV head) pair's operands. T: float, or uint16_t for bfloat16's bits.
@@ -60,7 +62,7 @@ struct Pair {
 };
 
 // Calls attend(pair, buffers) for every (request, KV head) pair of the step, each one
-// task of at::parallel_for (the forward's intra-op threads), with buffers = scratch()
+// item of for_each_item (the forward's intra-op threads), with buffers = scratch()
 // made once per thread. K and V share their strides (checked by decode_attention).
 template <typename T, typename Scratch, typename Attend>
 void for_each_pair(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -74,16 +76,13 @@ void for_each_pair(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const float* bp = bias.data_ptr<float>();
   auto* op = static_cast<T*>(out.data_ptr());
   const int64_t request_stride = k.stride(0), head_stride = k.stride(1);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    auto buffers = scratch();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / kv_heads, h = i % kv_heads;
-      const int64_t at = r * request_stride + h * head_stride;
-      const float* row = bp + r * length;
-      int64_t last = length;
-      while (last > 0 && row[last - 1] == kNegInf) --last;
-      attend(Pair<T>{qp + i * head, kp + at, vp + at, row, op + i * head, last}, buffers);
-    }
+  for_each_item(batch * kv_heads, scratch, [&](int64_t i, auto& buffers) {
+    const int64_t r = i / kv_heads, h = i % kv_heads;
+    const int64_t at = r * request_stride + h * head_stride;
+    const float* row = bp + r * length;
+    int64_t last = length;
+    while (last > 0 && row[last - 1] == kNegInf) --last;
+    attend(Pair<T>{qp + i * head, kp + at, vp + at, row, op + i * head, last}, buffers);
   });
 }
 

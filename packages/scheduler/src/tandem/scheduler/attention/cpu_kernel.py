@@ -40,7 +40,7 @@ SOURCES = (
     Path(__file__).parent.parent / "models" / "cpu_fused.cpp",
     Path(__file__).parent.parent / "models" / "cpu_linear.cpp",
 )
-HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by both sources
+HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by every source
 COMPILERS = ("c++", "g++", "clang++")
 BUILD_TIMEOUT_S = 600
 UNUSED_FOR_S = 30 * 24 * 3600

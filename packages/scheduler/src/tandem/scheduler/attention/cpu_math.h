@@ -1,13 +1,39 @@
-// Scalar helpers of tandem's CPU kernels (cpu_decode.cpp beside this file, and
-// models/cpu_fused.cpp), written so that the loops calling them vectorize.
+// Helpers of tandem's CPU kernels (cpu_decode.cpp beside this file, models/cpu_fused.cpp
+// and models/cpu_linear.cpp): scalar ones, written so that the loops calling them
+// vectorize, and the way a kernel shares its work between the forward's threads.
 
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
 namespace tandem_cpu {
+
+// Calls work(item, state) for every item in [0, total) on the forward's intra-op
+// threads (at::parallel_for), state = start() made once per thread. Each thread takes
+// the next item from a shared counter until none is left, instead of a fixed share of
+// the range: a thread that the OS stops for a while (another process, or the scheduler
+// thread, wanted its core) leaves its items to the others, where with fixed shares
+// every other thread would wait for it at the end. On two cores shared with the API
+// process this serves the ~100M model at 64 streams about 3 % faster.
+template <typename Start, typename Work>
+void for_each_item(int64_t total, Start start, Work work) {
+  if (total <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), total);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    auto state = start();
+    for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < total;
+         item = next.fetch_add(1, std::memory_order_relaxed)) {
+      work(item, state);
+    }
+  });
+}
 
 // e^x in a form the compiler vectorizes: x = n ln2 + r with |r| <= ln2 / 2, e^r by
 // its degree-6 Taylor polynomial (relative error under 3e-7), 2^n from the exponent

@@ -29,6 +29,8 @@
 #include <string>
 #include <type_traits>
 
+#include "../attention/cpu_math.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define TANDEM_PANELS 1
 #include <immintrin.h>
@@ -524,19 +526,19 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
     rp = residual->data_ptr();
   }
   if (M == 0) return y.view(shape);
-  // Work items: (chunk of rows, panel), panels inner, handed out evenly: a few tokens'
-  // step splits the panels between the threads, a prefill its rows. The chunks are of
-  // equal size (96 rows: two of 48, not 64 and 32).
+  // Work items: (chunk of rows, panel), panels inner, taken by the threads one at a
+  // time (tandem_cpu::for_each_item). The chunks are of equal size (96 rows: two of 48,
+  // not 64 and 32).
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = (M + chunks - 1) / chunks;
   const auto items = [&](auto&& run) {
-    at::parallel_for(0, chunks * P, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t chunk = item / P, p = item % P;
-        const int64_t m0 = chunk * chunk_rows;
-        run(m0, M - m0 < chunk_rows ? M - m0 : chunk_rows, p);
-      }
-    });
+    tandem_cpu::for_each_item(
+        chunks * P, [] { return 0; },
+        [&](int64_t item, int) {
+          const int64_t chunk = item / P, p = item % P;
+          const int64_t m0 = chunk * chunk_rows;
+          run(m0, M - m0 < chunk_rows ? M - m0 : chunk_rows, p);
+        });
   };
   const int64_t panel_size = depth * width;
 #if defined(__AVX512F__)
