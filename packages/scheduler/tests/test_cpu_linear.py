@@ -45,6 +45,7 @@ def test_the_op_exists_exactly_on_avx2_and_up() -> None:
     assert panels_available() == PANELS
     assert panels_available(torch.bfloat16) == BF16
     assert not panels_available(torch.float16)
+    assert cpu_kernel.panel_halves() == (CAPABILITY == "AVX2")  # the AVX2 tiles' layout
 
 
 def test_bfloat16_panels_hold_pairs_of_inputs_side_by_side() -> None:
@@ -63,14 +64,30 @@ def test_bfloat16_panels_hold_pairs_of_inputs_side_by_side() -> None:
 
 def test_panels_hold_the_weight_columns_in_address_order() -> None:
     weight = _weight(100, 7, seed=0)
-    panels = to_panels(weight)
+    panels = to_panels(weight, halves=False)
     assert panels.shape == (3, 7, PANEL_COLUMNS)
     assert panels.is_contiguous()
     for p in range(3):
         cols = weight.t()[:, p * PANEL_COLUMNS : (p + 1) * PANEL_COLUMNS]
         torch.testing.assert_close(panels[p, :, : cols.shape[1]], cols, rtol=0, atol=0)
     assert not panels[2, :, 100 - 2 * PANEL_COLUMNS :].any()  # zero past the last row
-    assert to_panels(weight.t().contiguous().t()).equal(panels)  # any storage order
+    assert to_panels(weight.t().contiguous().t(), halves=False).equal(panels)  # any order
+
+
+def test_panels_by_halves_hold_each_half_of_the_columns_in_address_order() -> None:
+    weight = _weight(100, 7, seed=0)
+    panels = to_panels(weight, halves=True)
+    assert panels.shape == (3, 7, PANEL_COLUMNS)
+    assert panels.is_contiguous()
+    half = PANEL_COLUMNS // 2
+    halves = panels.view(3, 2, 7, half)  # panel, half, input, column
+    whole = to_panels(weight, halves=False)
+    for p in range(3):
+        for h in range(2):
+            torch.testing.assert_close(
+                halves[p, h], whole[p, :, h * half : (h + 1) * half], rtol=0, atol=0
+            )
+    assert to_panels(weight).equal(panels if cpu_kernel.panel_halves() else whole)
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 2, 3, 5, 6, 7, 8, 9, 31, 64, 65, 96, 200])

@@ -175,8 +175,16 @@ def bf16_panels() -> bool:
     bfloat16 in the kernels built on this machine: with AVX512-BF16's pairwise dot
     product, or, in an AVX2 build (no AVX-512), with float32 arithmetic over the
     widened pairs. An AVX-512 CPU without BF16 has oneDNN's bfloat16 product instead."""
+    return "-mavx512bf16" in _flags() or panel_halves()
+
+
+@functools.cache
+def panel_halves() -> bool:
+    """Whether the kernels built on this machine are the AVX2 build (no AVX-512), whose
+    ``linear_panels`` reads a float32 panel by halves of 24 columns
+    (``packing.to_panels``)."""
     flags = _flags()
-    return "-mavx512bf16" in flags or ("-mavx2" in flags and "-mavx512f" not in flags)
+    return "-mavx2" in flags and "-mavx512f" not in flags
 
 
 def _build(compiler: str, flags: list[str], library: Path) -> None:

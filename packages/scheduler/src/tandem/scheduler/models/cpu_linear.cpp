@@ -16,7 +16,8 @@
 // tokens thus reads every weight at about the rate the machine streams memory, and one
 // of a few dozen runs at about the arithmetic's rate, where oneDNN's products run
 // about 10-35 % slower (docs/benchmarks.md). AVX2 has half the vector width and
-// registers: its tiles (below) are smaller, over the same panels.
+// registers: its tiles (below) are smaller, over the same panels (a float32 one stored
+// by halves).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -195,13 +196,19 @@ void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, co
 }  // namespace
 
 #elif defined(TANDEM_PANELS)
-// AVX2 with FMA (eight float32 lanes, sixteen vector registers): the same panels and
-// work items, two kinds of tile. A work item of four rows or more goes in tall tiles,
-// 4 rows by part of a panel (4 x 3 vectors of sums, or 4 x 2 for bfloat16, the weight
-// vectors loaded once a k for the four rows), over each part of the panel in turn; the
-// rows left, and items of fewer rows, in tiles of 2 rows (or 1) by the whole panel row
+// AVX2 with FMA (eight float32 lanes, sixteen vector registers): the same work items,
+// two kinds of tile. A work item of four rows or more goes in tall tiles, 4 rows by
+// part of a panel (4 x 3 vectors of sums, or 4 x 2 for bfloat16, the weight vectors
+// loaded once a k for the four rows), over each part of the panel in turn; the rows
+// left, and items of fewer rows, in tiles of 2 rows (or 1) by the whole panel row
 // (2 x 6 sums, each weight vector an operand straight from the cache), which read the
-// panel as one address-ordered stream, as a decode step of a few tokens needs.
+// panel in address order, as a decode step of a few tokens needs.
+//
+// A float32 panel is stored by halves here (packing.to_panels with halves): its first
+// 24 columns for every k, then its last 24, so that a tall tile reads 96 contiguous
+// bytes a k. Over 48-column rows it read half of each 192-byte row, a row every other
+// k across three cache lines instead of two: a prefill's products (512 to 768 rows)
+// ran 3-9 % slower.
 //
 // bfloat16 (AVX2 has no bfloat16 arithmetic): the k-pair panels of the AVX-512 tile
 // above, widened in registers. A 32-bit lane holds one column's weights for inputs 2j
@@ -216,11 +223,11 @@ namespace {
 constexpr int64_t kTileRows = 2;   // rows of x per tile: 2 x 6 sums in registers
 constexpr int64_t kTallRows = 4;   // rows of x per tall tile
 constexpr int kVectors = kPanel / 8;
+constexpr int64_t kHalf = kPanel / 2;  // a float32 panel's columns per half
 
 using Pairs = uint16_t;  // a bfloat16 panel's elements, read as bits
 
-// The panel's row j (input k = j for float32, the pair 2j, 2j + 1 for bfloat16).
-inline const float* panel_row(const float* panel, int64_t j) { return panel + j * kPanel; }
+// A bfloat16 panel's row j (the pair of inputs 2j, 2j + 1).
 inline const Pairs* panel_row(const Pairs* panel, int64_t j) { return panel + j * 2 * kPanel; }
 
 // The float32 weights for inputs 2j (even) and 2j + 1 (odd) of the eight columns whose
@@ -304,16 +311,16 @@ inline void store_row(const __m256 (&sums)[V], int64_t cols, const at::BFloat16*
 struct Row {
   __m256 s0, s1, s2, s3, s4, s5;
 
-  // += x[k] * the panel's row k, whose six vectors are the operands straight from the
-  // cache.
-  inline void add(const float* x, int64_t k, const float* w) {
+  // += x[k] * the panel's row k, whose halves' rows k are at lo and hi: six vectors,
+  // the operands straight from the cache.
+  inline void add(const float* x, int64_t k, const float* lo, const float* hi) {
     const __m256 b = _mm256_set1_ps(x[k]);
-    s0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w), s0);
-    s1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 8), s1);
-    s2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 16), s2);
-    s3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 24), s3);
-    s4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 32), s4);
-    s5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(w + 40), s5);
+    s0 = _mm256_fmadd_ps(b, _mm256_loadu_ps(lo), s0);
+    s1 = _mm256_fmadd_ps(b, _mm256_loadu_ps(lo + 8), s1);
+    s2 = _mm256_fmadd_ps(b, _mm256_loadu_ps(lo + 16), s2);
+    s3 = _mm256_fmadd_ps(b, _mm256_loadu_ps(hi), s3);
+    s4 = _mm256_fmadd_ps(b, _mm256_loadu_ps(hi + 8), s4);
+    s5 = _mm256_fmadd_ps(b, _mm256_loadu_ps(hi + 16), s5);
   }
 
   // += x[2j] * the even weights of the panel's row j + x[2j + 1] * its odd ones.
@@ -343,9 +350,15 @@ inline void tile(const float* x, int64_t ldx, int64_t steps, const W* panel, con
   Row r0 = first, r1 = first;
   const float* x1 = x + (MR == 2 ? ldx : 0);
   for (int64_t j = 0; j < steps; ++j) {
-    const W* w = panel_row(panel, j);
-    r0.add(x, j, w);
-    if constexpr (MR == 2) r1.add(x1, j, w);
+    if constexpr (std::is_same_v<W, float>) {
+      const float *lo = panel + j * kHalf, *hi = lo + steps * kHalf;
+      r0.add(x, j, lo, hi);
+      if constexpr (MR == 2) r1.add(x1, j, lo, hi);
+    } else {
+      const W* w = panel_row(panel, j);
+      r0.add(x, j, w);
+      if constexpr (MR == 2) r1.add(x1, j, w);
+    }
   }
   const Row rows[2] = {r0, r1};
   for (int m = 0; m < MR; ++m) {
@@ -379,8 +392,8 @@ struct Third {
   }
 };
 
-// y[0:4, 0:cols) = x[0:4, :] @ part (+ bias) (+ res), cols 1 to 24 of the half panel
-// that starts at `part`: four rows by three vectors, the weights loaded once a k for
+// y[0:4, 0:cols) = x[0:4, :] @ part (+ bias) (+ res), cols 1 to 24 of the panel's
+// half that starts at `part` (its rows 24 floats apart): four rows by three vectors, the weights loaded once a k for
 // all four (a tall tile reads fewer bytes per multiply-add than the two-row one, whose
 // loads, not its arithmetic, bound it).
 template <typename O>
@@ -392,7 +405,7 @@ inline void tall_tile(const float* x, int64_t ldx, int64_t steps, const float* p
   Half r0 = first, r1 = first, r2 = first, r3 = first;
   const float *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
   for (int64_t k = 0; k < steps; ++k) {
-    const float* w = panel_row(part, k);
+    const float* w = part + k * kHalf;
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
     const __m256 w2 = _mm256_loadu_ps(w + 16);
     r0.add(x[k], w0, w1, w2);
@@ -443,7 +456,7 @@ void run_item(const float* x, int64_t ldx, const W* panels, int64_t panel_size,
               const float* bias, const O* res, O* y, int64_t steps, int64_t N, int64_t m0,
               int64_t M, int64_t p) {
   constexpr bool pairs = std::is_same_v<W, Pairs>;
-  constexpr int64_t part_cols = pairs ? 16 : kPanel / 2;  // a tall tile's columns
+  constexpr int64_t part_cols = pairs ? 16 : kHalf;  // a tall tile's columns
   const int64_t n0 = p * kPanel;
   const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
   const W* panel = panels + p * panel_size;
@@ -458,8 +471,9 @@ void run_item(const float* x, int64_t ldx, const W* panels, int64_t panel_size,
       const float* bh = b != nullptr ? b + h : nullptr;
       for (m = 0; m + kTallRows <= M; m += kTallRows) {
         const O* rh = res != nullptr ? at(m) + h : nullptr;
-        tall_tile(x + (m0 + m) * ldx, ldx, steps, panel + (pairs ? 2 * h : h), bh, rh,
-                  y + (m0 + m) * N + n0 + h, N, width);
+        const W* part = pairs ? panel + 2 * h : panel + h * steps;  // h is 0 or kHalf
+        tall_tile(x + (m0 + m) * ldx, ldx, steps, part, bh, rh, y + (m0 + m) * N + n0 + h, N,
+                  width);
       }
     }
   }
