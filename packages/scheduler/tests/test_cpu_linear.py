@@ -76,16 +76,15 @@ def test_panels_hold_the_weight_columns_in_address_order() -> None:
 
 def test_panels_by_halves_hold_each_half_of_the_columns_in_address_order() -> None:
     weight = _weight(100, 7, seed=0)
-    panels = to_panels(weight, halves=True)
-    assert panels.shape == (3, 7, PANEL_COLUMNS)
-    assert panels.is_contiguous()
     half = PANEL_COLUMNS // 2
-    halves = panels.view(3, 2, 7, half)  # panel, half, input, column
+    panels = to_panels(weight, halves=True)
+    assert panels.shape == (3, 2, 7, half)  # panel, half, input, column
+    assert panels.is_contiguous()
     whole = to_panels(weight, halves=False)
     for p in range(3):
         for h in range(2):
             torch.testing.assert_close(
-                halves[p, h], whole[p, :, h * half : (h + 1) * half], rtol=0, atol=0
+                panels[p, h], whole[p, :, h * half : (h + 1) * half], rtol=0, atol=0
             )
     assert to_panels(weight).equal(panels if cpu_kernel.panel_halves() else whole)
 
@@ -155,6 +154,9 @@ def test_linear_panels_refuses_what_it_does_not_take() -> None:
         op(x, panels.transpose(1, 2).contiguous(), None, 50)
     with pytest.raises(RuntimeError, match="in panels of 48"):
         op(x, panels.transpose(0, 1), None, 50)  # not contiguous
+    other = to_panels(_weight(50, 4, seed=2), halves=not cpu_kernel.panel_halves())
+    with pytest.raises(RuntimeError, match="in panels of 48"):
+        op(x, other, None, 50)  # the other build's layout
     with pytest.raises(RuntimeError, match="takes float32 or bfloat16"):
         op(x.half(), panels.half(), None, 50)
     with pytest.raises(RuntimeError, match="x and weight alike"):
@@ -168,7 +170,7 @@ def test_linear_panels_refuses_what_it_does_not_take() -> None:
     with pytest.raises(RuntimeError, match="not 97"):
         op(x, panels, None, 97)
     with pytest.raises(RuntimeError, match="an empty weight"):
-        op(torch.randn(1, 0), torch.empty(1, 0, PANEL_COLUMNS), None, 1)
+        op(torch.randn(1, 0), to_panels(torch.empty(1, 0)), None, 1)
     if not BF16:
         with pytest.raises(RuntimeError, match="bfloat16 needs AVX512_BF16"):
             op(x.bfloat16(), to_panels(_weight(50, 4, seed=2).bfloat16()), None, 50)

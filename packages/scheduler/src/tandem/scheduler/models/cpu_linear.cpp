@@ -393,9 +393,9 @@ struct Third {
 };
 
 // y[0:4, 0:cols) = x[0:4, :] @ part (+ bias) (+ res), cols 1 to 24 of the panel's
-// half that starts at `part` (its rows 24 floats apart): four rows by three vectors, the weights loaded once a k for
-// all four (a tall tile reads fewer bytes per multiply-add than the two-row one, whose
-// loads, not its arithmetic, bound it).
+// half that starts at `part` (its rows 24 floats apart): four rows by three vectors,
+// the weights loaded once a k for all four (a tall tile reads fewer bytes per
+// multiply-add than the two-row one, whose loads, not its arithmetic, bound it).
 template <typename O>
 inline void tall_tile(const float* x, int64_t ldx, int64_t steps, const float* part,
                       const float* bias, const O* res, O* y, int64_t ldy, int64_t cols) {
@@ -504,12 +504,21 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(!bf16, "tandem::linear_panels: bfloat16 needs AVX512_BF16 in an AVX-512 build, "
               "not in this one");
 #endif
+#if defined(__AVX512F__)
+  const bool halves = false;
+#else
+  const bool halves = !bf16;  // the AVX2 tiles' float32 panels are stored by halves
+#endif
   const int64_t width = bf16 ? 2 * kPanel : kPanel;  // a bfloat16 panel row is a k-pair
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == width && panels.is_contiguous(),
+  const bool laid_out =
+      halves ? panels.dim() == 4 && panels.size(1) == 2 && panels.size(3) == kPanel / 2
+             : panels.dim() == 3 && panels.size(2) == width;
+  TORCH_CHECK(laid_out && panels.is_contiguous(),
               "tandem::linear_panels: the weight must be in panels of ", kPanel,
-              " columns, a contiguous ", bf16 ? "[P, ceil(in / 2), 96]" : "[P, in, 48]",
+              " columns, a contiguous ",
+              bf16 ? "[P, ceil(in / 2), 96]" : (halves ? "[P, 2, in, 24]" : "[P, in, 48]"),
               " tensor (packing.to_panels)");
-  const int64_t P = panels.size(0), depth = panels.size(1), N = out_features;
+  const int64_t P = panels.size(0), depth = panels.size(halves ? 2 : 1), N = out_features;
   TORCH_CHECK(P > 0 && depth > 0, "tandem::linear_panels: an empty weight");
   TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "tandem::linear_panels: ", P,
               " panels hold ", (P - 1) * kPanel + 1, " to ", P * kPanel,

@@ -167,8 +167,9 @@ def to_panels(weight: torch.Tensor, halves: bool | None = None) -> torch.Tensor:
     float32: ``[ceil(out / PANEL_COLUMNS), in, PANEL_COLUMNS]``, panel ``p`` being
     columns ``p * PANEL_COLUMNS`` onwards of ``weight.t()``. With ``halves`` (default:
     where the kernels are the AVX2 build, ``cpu_kernel.panel_halves``, whose tiles read
-    24 columns at a time) a panel's storage holds its first ``PANEL_COLUMNS // 2``
-    columns for every input, then its last ones, in the same shape. bfloat16:
+    24 columns at a time, and the only layout that build's op takes):
+    ``[ceil(out / PANEL_COLUMNS), 2, in, PANEL_COLUMNS // 2]``, each panel's first half
+    of its columns for every input, then its second. bfloat16:
     ``[ceil(out / PANEL_COLUMNS), ceil(in / 2), 2 * PANEL_COLUMNS]``, the same columns
     by pairs of inputs: row ``j`` of a panel holds each column's weights for inputs
     ``2j`` and ``2j + 1`` side by side (zero for an odd ``in``'s last), the operand
@@ -180,8 +181,7 @@ def to_panels(weight: torch.Tensor, halves: bool | None = None) -> torch.Tensor:
         padded[:rows].copy_(weight)
         if cpu_kernel.panel_halves() if halves is None else halves:
             half = PANEL_COLUMNS // 2
-            by_half = padded.view(count, 2, half, cols).transpose(2, 3).contiguous()
-            return by_half.view(count, cols, PANEL_COLUMNS)
+            return padded.view(count, 2, half, cols).transpose(2, 3).contiguous()
         return padded.view(count, PANEL_COLUMNS, cols).transpose(1, 2).contiguous()
     pairs = -(-cols // 2)
     padded = weight.new_zeros(count * PANEL_COLUMNS, 2 * pairs)
