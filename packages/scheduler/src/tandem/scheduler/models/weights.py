@@ -1,5 +1,6 @@
-"""Building a ``CausalLM`` with its weights: from a Hugging Face safetensors folder, or
-reproducible dummy weights from the config alone.
+"""Building a ``CausalLM`` with its weights: from a Hugging Face safetensors folder, from
+a GGUF file's folder (``gguf_file.gguf_folder``), or reproducible dummy weights from the
+config alone.
 
 The model is built on the ``meta`` device (shapes only) and materialized once on the
 target device in the target dtype, so a checkpoint never costs a float32 copy or a
@@ -23,7 +24,7 @@ from tandem.scheduler.models.config import ModelConfig
 from tandem.scheduler.models.decoder import CausalLM, RMSNorm
 from tandem.scheduler.models.tensor_parallel import SINGLE, TensorParallel
 
-LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
 DUMMY_STD = 0.02
 
 _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
@@ -35,6 +36,8 @@ _DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
         "half": torch.float16,
     }
 )
+GGUF_JSON = "gguf.json"
+"""The file that makes a folder a GGUF file's (``gguf_file.gguf_folder``)."""
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -44,7 +47,8 @@ Shape = tuple[int, ...]
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
     """The dtype to run in. ``"auto"`` follows the checkpoint's recorded dtype (bf16 runs
     as bf16 even on a CPU: slower than float32 there, but what the user asked for) and
-    float32 when the checkpoint records none."""
+    float32 when the checkpoint records none. A GGUF file's folder records float32 (see
+    ``gguf_file.hf_config``): its weights are dequantized to it exactly."""
     if name == "auto":
         if config.dtype is None:
             return torch.float32
@@ -71,7 +75,9 @@ def load_model(
 
     ``load_format``: ``"auto"``/``"safetensors"`` read ``model_path`` (one
     ``model.safetensors`` or shards listed by ``model.safetensors.index.json``);
-    ``"dummy"`` ignores it and draws weights from ``seed`` (see ``dummy_tensor``).
+    ``"auto"``/``"gguf"`` read the GGUF file a folder's ``gguf.json`` points at,
+    dequantized (``gguf_file.copy_gguf_weights``); ``"dummy"`` ignores it and draws
+    weights from ``seed`` (see ``dummy_tensor``).
     ``tp``: build this rank's shard, reading only its slice of each tensor (dummy
     weights are the same values as one rank's, sliced).
     ``forward_threads``: the CPU forward's intra-op threads (see ``CausalLM.pack``).
@@ -87,12 +93,32 @@ def load_model(
         return _for_inference(model, forward_threads)
     if model_path is None:
         raise ValueError(f"load_format {load_format!r} needs a model_path")
-    files = checkpoint_files(Path(model_path))
+    path = Path(model_path)
+    if load_format == "gguf" or (load_format == "auto" and is_gguf_folder(path)):
+        if not is_gguf_folder(path):
+            raise ValueError(
+                f"load_format 'gguf' needs a GGUF file's folder; {path} has no {GGUF_JSON}"
+            )
+        # Imported here: the gguf library takes a few hundred ms to import.
+        from tandem.scheduler.models import gguf_file
+
+        source = gguf_file.GGUFSource.read(path)
+        gguf_file.check_dequantizable(source.tensors.values(), source.file)
+        check_checkpoint(whole, gguf_file.gguf_shapes(source), config, where=str(source.file))
+        model = _materialize(model, device)
+        gguf_file.copy_gguf_weights(model, source, config)
+        return _for_inference(model, forward_threads)
+    files = checkpoint_files(path)
     found = _tensor_shapes(files)
     check_checkpoint(whole, found, config, where=str(model_path))
     model = _materialize(model, device)
     _copy_checkpoint(model, files, config)
     return _for_inference(model, forward_threads)
+
+
+def is_gguf_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a GGUF file's sidecar folder (``gguf_file.gguf_folder``)."""
+    return (folder / GGUF_JSON).is_file()
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -219,10 +245,10 @@ def _copy_checkpoint(model: CausalLM, files: Iterable[Path], config: ModelConfig
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in params:
-                    _copy_shard(params[name], f.get_slice(name), name, model.tp, config)
+                    copy_shard(params[name], f.get_slice(name), name, model.tp, config)
 
 
-def _copy_shard(
+def copy_shard(
     param: torch.Tensor, stored: Any, name: str, tp: TensorParallel, config: ModelConfig
 ) -> None:
     """Fill ``param`` with its rank's part of ``stored`` (a safetensors slice or a
@@ -263,7 +289,7 @@ def _fill_dummy(
     }
     for name, param in model.named_parameters():
         value = dummy_tensor(name, whole[name], seed, is_norm=name in norms, device=param.device)
-        _copy_shard(param, value, name, model.tp, config)
+        copy_shard(param, value, name, model.tp, config)
 
 
 def _for_inference(model: CausalLM, forward_threads: int | None) -> CausalLM:
