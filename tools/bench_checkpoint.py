@@ -80,7 +80,7 @@ def checkpoint_name(size: str) -> str:
 
 
 def build_tokenizer(text: str) -> Tokenizer:
-    """The default model's kind of byte-level BPE, trained on ``text`` to ``VOCAB_SIZE``
+    """The tiny test model's kind of byte-level BPE, trained on ``text`` to ``VOCAB_SIZE``
     entries with the special tokens."""
     # min_frequency 1, not 2: merges seen twice stop short of 5000 entries on this text
     return bpe_tokenizer(train_merges(text, VOCAB_SIZE - len(SPECIAL_TOKENS), 1))

@@ -6,7 +6,7 @@ alternating (normal, overlap, normal, overlap, ...) so machine noise hits both a
 and reports for each loop the median wall time, output throughput and the device idle
 fraction read from ``Engine.get_server_info()``.
 
-    python tools/bench_overlap.py                       # the embedded default model
+    python tools/bench_overlap.py                       # the tiny test model
     python tools/bench_overlap.py --hidden-size 512     # a larger dummy model
     python tools/bench_overlap.py --output-json out.json
 """
@@ -31,7 +31,7 @@ from tandem.scheduler.default_model import default_model_path
 
 
 def _dummy_checkpoint(hidden: int, layers: int, folder: Path) -> Path:
-    """The default model's config scaled up; weights come from load_format=dummy."""
+    """The tiny test model's config scaled up; weights come from load_format=dummy."""
     base = json.loads((default_model_path() / "config.json").read_text())
     heads = max(4, hidden // 64)
     base.update(
@@ -74,7 +74,9 @@ def _one_run(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", help="checkpoint (default: the embedded model)")
+    parser.add_argument(
+        "--model-path", default="tandem-tiny", help="checkpoint (default: the tiny test model)"
+    )
     parser.add_argument("--hidden-size", type=int, help="use a dummy model of this width")
     parser.add_argument("--layers", type=int, default=4, help="layers of the dummy model")
     parser.add_argument("--requests", type=int, default=16)

@@ -1,6 +1,6 @@
 """The serving path's own cost: host CPU per scheduler step and per-token delivery.
 
-Starts ``tandem serve`` with the embedded default model on a free loopback port, runs
+Starts ``tandem serve`` with the tiny test model on a free loopback port, runs
 ``tandem bench serve`` at each ``--concurrency`` (all streams at once, greedy, fixed
 lengths) and reads, around each run, the CPU time of the API process and of the
 scheduler process (Linux ``/proc``) and the engine's ``forward_steps`` counter. Prints
@@ -71,6 +71,7 @@ def main() -> int:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu"]
+    cmd += ["--model-path", "tandem-tiny"]
     server = subprocess.Popen([*cmd, "--port", str(port)], stderr=subprocess.DEVNULL)
     results = []
     try:

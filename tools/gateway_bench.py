@@ -1,8 +1,8 @@
 """``tandem serve`` replicas behind the SGLang Model Gateway, and ``tandem bench serve``
 through it.
 
-Starts ``--workers`` CPU workers (``tandem serve --device cpu``, the embedded default
-model unless ``--worker-args`` names another) on free loopback ports, then ``smg launch``
+Starts ``--workers`` CPU workers (``tandem serve --device cpu``, the tiny test model
+``tandem-tiny`` unless ``--worker-args`` names another) on free loopback ports, then ``smg launch``
 in front of them (``--policy cache_aware`` by default), waits until every worker
 answers ``/health`` and the gateway counts them all healthy (``--timeout`` bounds each
 wait), runs ``tandem bench serve`` against the gateway, prints its report and how many
@@ -265,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tandem.server import bench_serve
 
     worker_args = shlex.split(args.worker_args)
+    if not any(a.startswith("--model-path") for a in worker_args):
+        worker_args += ["--model-path", "tandem-tiny"]
     if not any(a.startswith("--cpu-forward-threads") for a in worker_args):
         # The workers share this machine's cores instead of each taking them all.
         threads = max(1, (os.cpu_count() or 1) // args.workers)

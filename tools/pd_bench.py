@@ -2,7 +2,8 @@
 plain ``tandem serve`` on the same machine.
 
 Starts a prefill server (``tandem serve --device cpu --disaggregation-mode prefill
---disaggregation-bootstrap-port B``) and a decode server (``--disaggregation-mode
+--disaggregation-bootstrap-port B``; the tiny test model unless ``--worker-args`` names
+another with ``--model-path``) and a decode server (``--disaggregation-mode
 decode``), both with ``--transfer-backend`` (``mooncake`` by default, or ``torch``), on
 free loopback ports, then ``smg launch --pd-disaggregation --prefill URL B --decode
 URL`` in front of them; waits until both answer ``/health`` and the gateway counts them
@@ -216,10 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker_args = shlex.split(args.worker_args)
     model = _flag_value(worker_args, "--model-path")
     if model is None:
-        from tandem.scheduler.default_model import default_model_path
+        from tandem.scheduler.default_model import tiny_model_path
 
-        # Built here once, before three servers would build it at the same time.
-        model = str(default_model_path())
+        # The tiny test model, built here once before three servers would build it.
+        model = str(tiny_model_path())
+        worker_args += ["--model-path", "tandem-tiny"]
     pd_args = list(worker_args)
     if _flag_value(worker_args, "--cpu-forward-threads") is None:
         pd_args += ["--cpu-forward-threads", str(max(1, (os.cpu_count() or 1) // 2))]

@@ -14,7 +14,8 @@ bottom-up, without extras, and runs this after each):
 
 ``readme -- SERVER COMMAND`` runs README.md's own snippets (its fenced code blocks, so
 README and this check cannot drift) against a real server: it starts SERVER COMMAND on
-a free port, waits for its ready line, sends the README's curl request, runs its
+a free port, waits for its ready line, sends the README's curl request (a question to
+the default model, whose answer must name Paris), runs its
 ``openai`` client example (with ``--client-python``, the interpreter of a separate
 environment that holds the client), its offline ``Engine`` example and
 ``python -m tandem.futuremap``, then stops the server with SIGINT (to its process
@@ -92,6 +93,8 @@ PROBLEM = re.compile(
 )
 READY = r"tandem is ready at (http://\S+)"
 README_PORT = 30000
+# The most tokens the README's first request may ask for.
+ANSWER_TOKENS = 32
 STOP_SECONDS = 10.0
 
 
@@ -368,7 +371,7 @@ if importlib.util.find_spec("triton") is not None:
     raise SystemExit(0)
 os.environ["TRITON_INTERPRET"] = "1"  # the CPU's only way to ask for the triton backend
 try:
-    Engine(device="cpu", attention_backend="triton")
+    Engine(model_path="tandem-tiny", device="cpu", attention_backend="triton")
 except ValueError as exc:
     assert "'triton' package" in str(exc), exc
     print("refused as expected:", exc)
@@ -386,10 +389,11 @@ def _entry_points(layer: str, work: Path) -> list[tuple[str, list[str]]]:
             ("python -m tandem.futuremap", [*py, "-m", "tandem.futuremap"]),
         ]
     if layer == "scheduler":
-        generate = ["--device", "cpu", "--prompt", "Hello", "--max-new-tokens", "8"]
+        generate = ["--model-path", "tandem-tiny", "--device", "cpu", "--prompt", "Hello"]
+        generate += ["--max-new-tokens", "8"]
         return [
             ("python -m tandem.scheduler --help", [*py, "-m", "tandem.scheduler", "--help"]),
-            ("offline generation, embedded model", [*py, "-m", "tandem.scheduler", *generate]),
+            ("offline generation, the tiny model", [*py, "-m", "tandem.scheduler", *generate]),
             ("the triton backend asked for without Triton", [*py, "-c", TRITON_ASKED_FOR]),
         ]
     if layer == "spec-eagle":
@@ -397,7 +401,8 @@ def _entry_points(layer: str, work: Path) -> list[tuple[str, list[str]]]:
         head = str(work / "eagle3-head")
         return [("EAGLE-3 decoding, a random head", [*py, "-c", SPEC_DECODE, target, head])]
     tandem = str(bindir / "tandem")
-    bench = ["--device", "cpu", "--num-prompts", "2", "--random-input-len", "8"]
+    bench = ["--model-path", "tandem-tiny", "--device", "cpu", "--num-prompts", "2"]
+    bench += ["--random-input-len", "8"]
     bench += ["--random-output-len", "4", "--repeats", "1"]
     return [
         ("tandem --help", [tandem, "--help"]),
@@ -626,15 +631,20 @@ def _curl(snippet: str, work: Path) -> str:
     return body
 
 
-def _check_completion(body: str) -> str:
+def _check_answer(body: str) -> str:
+    """The README's request asks the default model for the capital of France (a chat or
+    a plain completion): the answer must name Paris."""
     try:
         reply = json.loads(body)
-        text = reply["choices"][0]["text"]
+        choice = reply["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
         tokens = reply["usage"]["completion_tokens"]
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise CheckFailed(f"not a completion: {body[:500]!r}") from exc
-    if not isinstance(text, str) or not 0 < tokens <= 16:
+    if not isinstance(text, str) or not 0 < tokens <= ANSWER_TOKENS:
         raise CheckFailed(f"unexpected completion: {body[:500]!r}")
+    if "Paris" not in text:
+        raise CheckFailed(f"the answer does not name Paris: {text!r}")
     return f"{tokens} tokens: {text!r}"
 
 
@@ -677,7 +687,7 @@ def readme(args: argparse.Namespace) -> int:
             report.step(f"start `{shlex.join(argv)}`", start)
             report.step(
                 f"the README's curl request (README.md line {snippets.curl.line})",
-                lambda: _check_completion(_curl(_on_port(snippets.curl, port), work)),
+                lambda: _check_answer(_curl(_on_port(snippets.curl, port), work)),
             )
             client = _on_port(snippets.client, port)
             report.step(

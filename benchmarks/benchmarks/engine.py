@@ -1,7 +1,7 @@
 """End-to-end engine benchmarks (asv): the figures the overlap schedule is about.
 
-Every benchmark builds one warm :class:`tandem.scheduler.Engine` on the embedded
-default model and runs a fixed, seeded batch workload (16 requests, prompt lengths
+Every benchmark builds one warm :class:`tandem.scheduler.Engine` on the tiny test
+model (``tandem-tiny``) and runs a fixed, seeded batch workload (16 requests, prompt lengths
 drawn up to 64 tokens, 32 greedy new tokens each, EOS ignored, radix cache off so
 every pass prefills the same tokens), three passes per sample to damp the noise of
 a sub-second run. The figures come from the engine's own cumulative counters
@@ -68,13 +68,14 @@ class EngineOverlap:
 
     params = (["cpu", "cuda"], [False, True])
     param_names = ("device", "overlap")
-    # The first construction in a fresh cache writes the default model; a run of
+    # The first construction in a fresh cache writes the tiny model; a run of
     # the workload (PASSES passes) takes about half a second on a 2-core CPU.
     timeout = 180.0
 
     def setup(self, device: str, overlap: bool) -> None:
         skip_unavailable(device)
         self.engine = Engine(
+            model_path="tandem-tiny",
             device=device,
             disable_overlap_schedule=not overlap,
             disable_radix_cache=True,

@@ -6,7 +6,7 @@ forward, and the work grows with the batch. This suite tracks it on its own, per
 decode step, so that a rise shows at the commit that caused it.
 
 Every sample runs ``batch`` requests of 8 prompt tokens with 64 greedy new tokens each
-(EOS ignored, radix cache off) through one warm engine on the embedded default model,
+(EOS ignored, radix cache off) through one warm engine on the tiny test model,
 ``max_running_requests`` raised to 256 so that the whole batch decodes together. The
 figure is the difference of the engine counters ``decode_scheduler_s`` and
 ``decode_steps`` (``get_server_info``) over the sample: host microseconds of the
@@ -44,13 +44,14 @@ class HostCost:
 
     params = (["cpu", "cuda"], list(BATCHES), [False, True])
     param_names = ("device", "batch", "overlap")
-    # The first construction in a fresh cache writes the default model.
+    # The first construction in a fresh cache writes the tiny model.
     timeout = 180.0
 
     def setup(self, device: str, batch: int, overlap: bool) -> None:
         if device == "cuda" and not torch.cuda.is_available():
             raise NotImplementedError("no CUDA device")  # asv: skip this combination
         self.engine = Engine(
+            model_path="tandem-tiny",
             device=device,
             disable_overlap_schedule=not overlap,
             disable_radix_cache=True,

@@ -29,23 +29,24 @@ def _engine(path: Path, **options: object) -> Engine:
     return Engine(model_path=str(path), **opts)
 
 
-def test_cli_generates_with_the_embedded_default_model(
+def test_cli_generates_with_the_tiny_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    assert main(["--prompt", "Hello", "--max-new-tokens", "5", "--device", "cpu"]) == 0
-    assert main(["--chat", "--prompt", "Hi", "--max-new-tokens", "3", "--no-stream"]) == 0
+    tiny = ["--model-path", "tandem-tiny"]
+    assert main([*tiny, "--prompt", "Hello", "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    assert main([*tiny, "--chat", "--prompt", "Hi", "--max-new-tokens", "3", "--no-stream"]) == 0
     out = capsys.readouterr().out
     assert "--- 'Hello'" in out
     assert "--- 'Hi'" in out
-    assert (tmp_path / "tandem").is_dir()  # the default model was built in the cache
+    assert (tmp_path / "tandem").is_dir()  # the tiny model was built in the cache
 
 
 def test_cli_reports_bad_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    assert main(["--prompt", "x", "--temperature", "-1"]) == 2
+    assert main(["--model-path", "tandem-tiny", "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
     assert main(["--model-path", str(tmp_path / "missing")]) == 2
 
@@ -148,7 +149,9 @@ def test_context_length_beyond_the_model_is_refused(checkpoints: dict[str, Path]
 def test_the_cpu_forward_thread_leaves_a_core_to_the_scheduler(threads: int | None) -> None:
     caller = torch.get_num_threads()
     options = {} if threads is None else {"cpu_forward_threads": threads}
-    with Engine(device="cpu", skip_tokenizer_init=True, **options) as engine:
+    with Engine(
+        model_path="tandem-tiny", device="cpu", skip_tokenizer_init=True, **options
+    ) as engine:
         short = threads or max(1, caller - 1)
         stream = engine.scheduler.runner.stream
         assert stream.submit(torch.get_num_threads).result() == short
@@ -160,7 +163,7 @@ def test_the_cpu_forward_thread_leaves_a_core_to_the_scheduler(threads: int | No
         assert info["forward_threads_long_from_tokens"] == policy.long_from_tokens
         out = engine.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 3})
         assert len(out["output_ids"]) == 3
-        # Every step of the default model is short: a prefill as well as a decode.
+        # Every step of the tiny model is short: a prefill as well as a decode.
         assert stream.submit(torch.get_num_threads).result() == short
     assert torch.get_num_threads() == caller, "the caller's threads are its own"
 
@@ -211,4 +214,4 @@ def test_a_cpu_step_runs_on_the_threads_its_tokens_call_for() -> None:
 
 def test_cpu_forward_threads_must_be_positive() -> None:
     with pytest.raises(ValueError, match="cpu_forward_threads"):
-        Engine(device="cpu", cpu_forward_threads=0)
+        Engine(model_path="tandem-tiny", device="cpu", cpu_forward_threads=0)

@@ -1,4 +1,4 @@
-"""Constrained decoding through the Engine, with the embedded default model (whose
+"""Constrained decoding through the Engine, with the tiny test model (whose
 unconstrained output is gibberish, so a valid output cannot be luck): every output
 parses and validates, over seeds and temperatures, on both loops, with chunked prefill
 and under retraction; the two loops give the same greedy tokens; unconstrained rows in
@@ -45,7 +45,7 @@ def _valid(value: Any) -> bool:
 
 
 def _engine(**options: Any) -> Engine:
-    return Engine(device="cpu", debug_futures=True, **options)
+    return Engine(model_path="tandem-tiny", device="cpu", debug_futures=True, **options)
 
 
 def _params(kind: str, temperature: float, seed: int | None) -> dict[str, Any]:

@@ -114,6 +114,7 @@ MAX_NEW = [4, 60, 17, 120, 8, 33]
 
 def _tokens(fused: bool, overlap: bool) -> tuple[list[list[int]], Engine]:
     engine = Engine(
+        model_path="tandem-tiny",
         device="cpu",
         dtype="float32",
         skip_tokenizer_init=True,

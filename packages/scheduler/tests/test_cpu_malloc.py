@@ -51,6 +51,7 @@ def test_the_cpu_engine_sets_it_unless_disabled(
     calls: list[bool] = []
     monkeypatch.setattr(wiring, "keep_freed_memory", lambda: calls.append(True) or True)
     with Engine(
+        model_path="tandem-tiny",
         device="cpu",
         skip_tokenizer_init=True,
         disable_progress_bar=True,

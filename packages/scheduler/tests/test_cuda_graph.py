@@ -73,6 +73,8 @@ def test_graph_options() -> None:
 
 
 def test_the_cpu_captures_nothing() -> None:
-    with Engine(device="cpu", max_total_tokens=256, skip_tokenizer_init=True) as engine:
+    with Engine(
+        model_path="tandem-tiny", device="cpu", max_total_tokens=256, skip_tokenizer_init=True
+    ) as engine:
         assert engine.cuda_graph_batch_sizes == []
         assert engine.scheduler.runner.copy_stream is None

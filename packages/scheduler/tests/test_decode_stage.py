@@ -27,6 +27,7 @@ OUTPUT_LENS = [3, 40, 9, 150, 1, 25]
 
 def _run(overlap: bool, stage: bool, dtype: str = "float32") -> list[list[int]]:
     engine = Engine(
+        model_path="tandem-tiny",
         device="cpu",
         dtype=dtype,
         disable_overlap_schedule=not overlap,
@@ -149,6 +150,7 @@ SHORTER = [(13 * j + 7) % 250 + 3 for j in range(49 - 16)]  # its last step: len
 def test_a_one_token_prefill_on_a_departed_rows_stage_starts_a_new_one(overlap: bool) -> None:
     greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     with Engine(
+        model_path="tandem-tiny",
         device="cpu",
         dtype="float32",
         disable_overlap_schedule=not overlap,

@@ -25,6 +25,7 @@ MAX_NEW = [2, 60, 17, 290, 33]
 
 def _engine(**options: Any) -> Engine:
     return Engine(
+        model_path="tandem-tiny",
         device="cpu",
         dtype="float32",
         skip_tokenizer_init=True,

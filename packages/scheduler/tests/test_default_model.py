@@ -1,5 +1,5 @@
-"""The embedded default model: built once into the cache, byte-identical on every build,
-safe when processes race, and an ordinary checkpoint transformers can load."""
+"""The tiny test model (``tandem-tiny``): built once into the cache, byte-identical on
+every build, safe when processes race, and an ordinary checkpoint transformers can load."""
 
 from __future__ import annotations
 

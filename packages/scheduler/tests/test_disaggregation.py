@@ -366,12 +366,15 @@ def test_prefill_server_dies_during_the_hand_over(
 
 
 def test_constrained_output_crosses_over() -> None:
-    """A grammar on both halves (the embedded model has the tokenizer it needs): the
+    """A grammar on both halves (the tiny model has the tokenizer it needs): the
     prefill server samples the first token under it, the decode server's matcher takes
     that token and goes on; the output equals one engine's."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(schema)}
-    options = {"device": "cpu", "debug_futures": True, "disaggregation_transfer_backend": "torch"}
+    options = {
+        "model_path": "tandem-tiny", "device": "cpu", "debug_futures": True,
+        "disaggregation_transfer_backend": "torch",
+    }  # fmt: skip
     with Engine(**options) as engine:
         want = engine.generate("Give json:", params)
     prefill = Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **options)

@@ -67,6 +67,7 @@ def test_a_step_done_is_set_not_recorded() -> None:
 
 def _generate(overlap: bool) -> list[list[int]]:
     with Engine(
+        model_path="tandem-tiny",
         device="cpu",
         dtype="float32",
         skip_tokenizer_init=True,
@@ -93,7 +94,9 @@ def test_a_failed_step_does_not_hang_the_held_batch(monkeypatch: pytest.MonkeyPa
         return forward_step(self, *args)
 
     monkeypatch.setattr(ModelRunner, "_forward_step", fail_once)
-    engine = Engine(device="cpu", skip_tokenizer_init=True, disable_progress_bar=True)
+    engine = Engine(
+        model_path="tandem-tiny", device="cpu", skip_tokenizer_init=True, disable_progress_bar=True
+    )
     errors: list[BaseException] = []
 
     def generate() -> None:

@@ -110,8 +110,8 @@ def test_the_forward_reads_the_batch_lists() -> None:
     launched: list[ScheduledBatch] = []
     planned: list[ForwardBatch] = []
     with Engine(
-        device="cpu", skip_tokenizer_init=True, disable_progress_bar=True,
-        disable_overlap_schedule=True,
+        model_path="tandem-tiny", device="cpu", skip_tokenizer_init=True,
+        disable_progress_bar=True, disable_overlap_schedule=True,
     ) as engine:  # fmt: skip
         runner = engine.scheduler.runner
         launch, plan = runner.launch, runner.attention.plan

@@ -1,5 +1,5 @@
-"""Fixtures shared by the server tests: a module's own cache folder (the embedded
-default model is built there once per module) and a live ``tandem serve`` on it."""
+"""Fixtures shared by the server tests: a module's own cache folder (the tiny test
+model is built there once per module) and a live ``tandem serve`` of it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Start a live ``tandem serve`` subprocess on a free port, for the tests."""
+"""Start a live ``tandem serve`` subprocess on a free port, for the tests.
+
+It serves the tiny test model (``--model-path tandem-tiny``, served under that name)
+unless the test's flags name another model."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+TINY_MODEL = "tandem-tiny"  # tandem.scheduler.models.source.TINY_MODEL
 
 
 @dataclass
@@ -44,7 +49,7 @@ def live_server(cache_dir: Path, *extra: str, timeout_s: float = 120.0) -> Itera
         port = free_port()
         env = {**os.environ, "TANDEM_CACHE_DIR": str(cache_dir), "TANDEM_DEBUG_FUTURES": "1"}
         cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--port", str(port)]
-        cmd += ["--device", "cpu", *extra]
+        cmd += ["--device", "cpu", "--model-path", TINY_MODEL, *extra]
         fd, name = tempfile.mkstemp(prefix="tandem-serve-", suffix=".log")
         log = Path(name)
         with os.fdopen(fd, "wb") as stderr:

@@ -27,6 +27,7 @@ KEYS = {
     *(f"{s}_{m}_ms" for s in ("mean", "p50", "p99") for m in ("ttft", "itl", "tpot")),
 }
 SMALL = ["--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "6"]
+TINY = ["--model-path", "tandem-tiny"]
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ def _env(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "out.json"
-    assert main(["bench", "--device", "cpu", *extra, "--output-json", str(out)]) == 0
+    assert main(["bench", "--device", "cpu", *TINY, *extra, "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     # The file names the command that reproduces it.
     assert report.pop("command").startswith("tandem bench --device cpu")
@@ -112,7 +113,7 @@ def test_sharegpt(tmp_path: Path) -> None:
 
 def test_sharegpt_needs_dataset() -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "--workload", "sharegpt"])
+        main(["bench", *TINY, "--workload", "sharegpt"])
     assert exc.value.code == 2
 
 
@@ -138,7 +139,7 @@ def test_compare_speculative_on_a_text_workload(tmp_path: Path, cache: Path) -> 
 
 def test_compare_speculative_needs_an_algorithm(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
-        main(["bench", "--device", "cpu", "--compare-speculative", *SMALL])
+        main(["bench", "--device", "cpu", *TINY, "--compare-speculative", *SMALL])
 
 
 def test_stream_reads_the_same_tokens_as_streams(tmp_path: Path) -> None:
@@ -188,8 +189,9 @@ def test_host_cost_counts_decode_iterations_only() -> None:
     params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
     for overlap in (False, True):
         with Engine(
-            device="cpu", disable_overlap_schedule=not overlap, disable_progress_bar=True
-        ) as engine:
+            model_path="tandem-tiny", device="cpu", disable_overlap_schedule=not overlap,
+            disable_progress_bar=True,
+        ) as engine:  # fmt: skip
             first = engine.get_server_info()
             engine.generate(input_ids=prompts, sampling_params=params)
             prefilled = engine.get_server_info()
@@ -231,7 +233,7 @@ def test_bench_max_running_requests_reaches_the_engine(
     assert report["overlap"]["total_output_tokens"] == 80 * 3
     assert report["overlap"]["host_us_per_decode_step"] > 0
     with pytest.raises(SystemExit):
-        main(["bench", "--device", "cpu", *SMALL, "--max-running-requests", "0"])
+        main(["bench", "--device", "cpu", *TINY, *SMALL, "--max-running-requests", "0"])
 
 
 def test_docs_hook_reads_the_host_cost(tmp_path: Path) -> None:
@@ -297,4 +299,4 @@ def test_constrained_fraction_masks_every_other_request(
     # The regex is long enough that every request runs its full length.
     assert report["overlap"]["total_output_tokens"] == 4 * 5
     with pytest.raises(SystemExit):
-        main(["bench", "--device", "cpu", *SMALL, "--constrained-fraction", "2"])
+        main(["bench", "--device", "cpu", *TINY, *SMALL, "--constrained-fraction", "2"])

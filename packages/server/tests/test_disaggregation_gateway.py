@@ -76,7 +76,8 @@ def fleet(request: pytest.FixtureRequest, cache: Path, tmp_path: Path) -> Iterat
         pytest.fail("needs Mooncake: pip install mooncake-transfer-engine-non-cuda")
     default_model_path(cache)  # built before the servers start, not by both at once
     env = {**os.environ, "TANDEM_CACHE_DIR": str(cache), "TANDEM_DEBUG_FUTURES": "1"}
-    worker_args = ["--cpu-forward-threads", "1", "--disaggregation-timeout", "30"]
+    worker_args = ["--model-path", "tandem-tiny", "--cpu-forward-threads", "1"]
+    worker_args += ["--disaggregation-timeout", "30"]
     with pd_bench.pd_fleet(backend, worker_args, env=env, timeout_s=120, logs=tmp_path) as running:
         yield running
     for started in running.processes:  # shown when the test fails
@@ -125,7 +126,7 @@ def _registered_as_a_pair(fleet: Any) -> None:
 def _one_at_a_time(fleet: Any, client: openai.OpenAI, expected: dict[str, list[str]]) -> int:
     extra = {"ignore_eos": True}
     out = client.completions.create(
-        model="default", prompt=COMPLETIONS[0], max_tokens=MAX_TOKENS, temperature=0,
+        model="tandem-tiny", prompt=COMPLETIONS[0], max_tokens=MAX_TOKENS, temperature=0,
         extra_body=extra,
     )  # fmt: skip
     assert out.choices[0].text == expected["completions"][0]
@@ -133,17 +134,17 @@ def _one_at_a_time(fleet: Any, client: openai.OpenAI, expected: dict[str, list[s
     assert out.usage is not None
     assert out.usage.completion_tokens == MAX_TOKENS
     chunks = client.completions.create(
-        model="default", prompt=COMPLETIONS[1], max_tokens=MAX_TOKENS, temperature=0,
+        model="tandem-tiny", prompt=COMPLETIONS[1], max_tokens=MAX_TOKENS, temperature=0,
         stream=True, extra_body=extra,
     )  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["completions"][1]
     chat = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": CHATS[0]}],
+        model="tandem-tiny", messages=[{"role": "user", "content": CHATS[0]}],
         max_tokens=MAX_TOKENS, temperature=0, extra_body=extra,
     )  # fmt: skip
     assert chat.choices[0].message.content == expected["chat"][0]
     stream = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": CHATS[1]}],
+        model="tandem-tiny", messages=[{"role": "user", "content": CHATS[1]}],
         max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body=extra,
     )  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
@@ -170,7 +171,7 @@ def _concurrently(fleet: Any, expected: dict[str, list[str]]) -> int:
     extra = {"ignore_eos": True}
 
     async def completion(i: int) -> str:
-        args = {"model": "default", "prompt": COMPLETIONS[i], "max_tokens": MAX_TOKENS}
+        args = {"model": "tandem-tiny", "prompt": COMPLETIONS[i], "max_tokens": MAX_TOKENS}
         if i % 2:
             chunks = await client.completions.create(
                 **args, temperature=0, stream=True, extra_body=extra
@@ -181,7 +182,7 @@ def _concurrently(fleet: Any, expected: dict[str, list[str]]) -> int:
 
     async def chat(i: int) -> str:
         args = {
-            "model": "default", "messages": [{"role": "user", "content": CHATS[i]}],
+            "model": "tandem-tiny", "messages": [{"role": "user", "content": CHATS[i]}],
             "max_tokens": MAX_TOKENS,
         }  # fmt: skip
         if i % 2 == 0:

@@ -404,8 +404,8 @@ def test_live_server_with_api_key(cache: Path) -> None:
             wrong.models.list()
         assert info.value.code == "invalid_api_key"
         right = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=30)
-        assert [m.id for m in right.models.list().data] == ["default"]
-        done = right.completions.create(model="default", prompt="Hello", max_tokens=2)
+        assert [m.id for m in right.models.list().data] == ["tandem-tiny"]
+        done = right.completions.create(model="tandem-tiny", prompt="Hello", max_tokens=2)
         assert done.usage is not None
         assert done.usage.completion_tokens == 2
         url = f"{server.url}/get_server_info"

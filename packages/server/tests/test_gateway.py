@@ -173,7 +173,8 @@ def test_two_workers_behind_smg(tmp_path: Path) -> None:
         pytest.fail("needs the SGLang Model Gateway: pip install smg (a test dependency)")
     default_model_path(tmp_path)  # built once here, not by both workers at once
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path), "TANDEM_DEBUG_FUTURES": "1"}
-    with bench.fleet(2, env=env, worker_args=["--cpu-forward-threads", "1"], timeout_s=120) as f:
+    workers = ["--model-path", "tandem-tiny", "--cpu-forward-threads", "1"]
+    with bench.fleet(2, env=env, worker_args=workers, timeout_s=120) as f:
         _discovered_as_sglang(f)
         _burst_uses_both_workers(f)
         _shared_prefix_goes_to_one_worker(f, tmp_path)
@@ -220,10 +221,10 @@ def _discovered_as_sglang(fleet: Any) -> None:
     for worker in workers:
         assert worker["runtime_type"] == "sglang", worker  # found by /server_info
         assert worker["status"] == "ready", worker
-        assert worker["labels"]["served_model_name"] == "default", worker
+        assert worker["labels"]["served_model_name"] == "tandem-tiny", worker
         assert worker["labels"]["model_type"] == "llama", worker  # from /model_info
     client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="none", max_retries=0)
-    assert [m.id for m in client.models.list().data] == ["default"]
+    assert [m.id for m in client.models.list().data] == ["tandem-tiny"]
 
 
 def _burst_uses_both_workers(fleet: Any) -> None:
@@ -233,7 +234,7 @@ def _burst_uses_both_workers(fleet: Any) -> None:
     async def one(i: int) -> str | None:
         # Different from the first characters on: no shared prefix pins them to a worker.
         out = await client.completions.create(
-            model="default", prompt=f"{i:02d} burst request number {i}", max_tokens=8,
+            model="tandem-tiny", prompt=f"{i:02d} burst request number {i}", max_tokens=8,
             temperature=0, extra_body={"ignore_eos": True},
         )  # fmt: skip
         return out.choices[0].finish_reason

@@ -12,7 +12,7 @@ checked against transformers' greedy tokens); then, for every pair of prompt len
 reported sequence); then bursts of concurrent repeats of random subsets. Greedy, every
 repeat must give its first answer. Both loops; a roomy KV pool (with two request rows, so
 that bursts queue, or with 64) and a pool small enough that the bursts evict the cache and
-retract requests; the embedded default model and a tiny Qwen3 checkpoint.
+retract requests; the tiny test model (tandem-tiny) and a tiny Qwen3 checkpoint.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def references() -> dict[str, Reference]:
 def _reference(family: str, references: dict[str, Reference], cache_dir: Path) -> Reference:
     if family not in references:
         models = _import_reference_models()
-        if family == "default":
+        if family == "tiny":
             path = default_model_path(cache_dir)  # the server's, with TANDEM_CACHE_DIR
         else:
             path = models.make_family(family, cache_dir / family, seed=7, kv_ratio=2)
@@ -240,8 +240,8 @@ def _wait_idle(server: LiveServer, rows: int, timeout_s: float = 20.0) -> None:
 # two, a burst queues and is admitted a request or two at a time, each onto a row another
 # just left (as in the reported failure); with 64 the whole burst runs as one batch.
 CONFIGS = [
-    pytest.param("default", False, ROOMY, 2, id="default-normal-2-rows"),
-    pytest.param("default", True, SMALL, 16, id="default-overlap-small-pool"),
+    pytest.param("tiny", False, ROOMY, 2, id="tiny-normal-2-rows"),
+    pytest.param("tiny", True, SMALL, 16, id="tiny-overlap-small-pool"),
     pytest.param("qwen3", True, ROOMY, 64, id="qwen3-overlap-64-rows"),
     pytest.param("qwen3", False, SMALL, 16, id="qwen3-normal-small-pool"),
 ]
@@ -259,7 +259,7 @@ def test_repeated_prompts_get_their_first_answers(
     ref = _reference(family, references, cache_dir)
     args = ["--dtype", "float32", "--max-total-tokens", str(tokens)]
     args += ["--max-running-requests", str(rows)]
-    if family != "default":
+    if family != "tiny":
         args += ["--model-path", str(ref.path)]
     if not overlap:
         args.append("--disable-overlap-schedule")

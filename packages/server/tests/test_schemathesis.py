@@ -97,6 +97,9 @@ def _clamp(path: str, body: Any) -> None:
             body["sampling_params"] = {"max_new_tokens": MAX_TOKENS}
         if "input_ids" in body:
             body["input_ids"] = _short_ids(body["input_ids"])
+        start = body.get("logprob_start_len")
+        if isinstance(start, int | float) and not isinstance(start, bool) and start > 0:
+            body["logprob_start_len"] = 0  # a prompt position of any prompt
         return
     for key in OPENAI_CONSTRAINTS:
         body.pop(key, None)

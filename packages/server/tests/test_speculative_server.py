@@ -18,7 +18,7 @@ from tandem.scheduler.default_model import default_model_path
 from tandem.spec_eagle import write_random_head
 
 PROMPT = "Once upon a time"
-MODEL = "default"  # the embedded default model's served name
+MODEL = "tandem-tiny"  # the tiny test model's served name (live_server serves it)
 
 
 @pytest.fixture(scope="module")

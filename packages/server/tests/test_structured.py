@@ -3,8 +3,8 @@
 
 The first half needs no engine: how each API input maps onto the sampling params the
 server schedules, what it refuses, the grammars it builds (checked with xgrammar), and
-the tool-call parsers. The second half drives a live ``tandem serve`` (the embedded
-default model, whose random weights emit gibberish unless a grammar holds them) with the
+the tool-call parsers. The second half drives a live ``tandem serve`` (the tiny test
+model, whose random weights emit gibberish unless a grammar holds them) with the
 official ``openai`` client: the outputs must parse and match their schemas.
 """
 
@@ -436,7 +436,7 @@ def test_text_is_not_held_back_longer_than_needed() -> None:
         ("{% if tools %}<tool_call>{% endif %}<|im_start|>", "Qwen2ForCausalLM", "qwen25"),
         ("<|python_tag|>{{ messages }}", "LlamaForCausalLM", "llama3"),
         ("<|start_header_id|>", "Qwen3ForCausalLM", "qwen25"),
-        ("<|im_start|>{{ m }}<|im_end|>", "LlamaForCausalLM", "qwen25"),  # the default model
+        ("<|im_start|>{{ m }}<|im_end|>", "LlamaForCausalLM", "qwen25"),  # the tiny model
         ("<|start_header_id|>", "LlamaForCausalLM", "llama3"),
         (None, None, "llama3"),
     ],
@@ -619,14 +619,14 @@ def client(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
-def test_the_default_model_parses_qwen25(server: LiveServer) -> None:
+def test_the_tiny_model_parses_qwen25(server: LiveServer) -> None:
     info = httpx.get(f"{server.url}/get_server_info", timeout=TIMEOUT).json()
     assert info["tool_call_parser"] == "qwen25"
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     out = client.chat.completions.parse(
-        model="default", messages=USER, response_format=Weather, **SAMPLE
+        model="tandem-tiny", messages=USER, response_format=Weather, **SAMPLE
     )
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice
@@ -636,7 +636,7 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
 
 def test_json_object(client: openai.OpenAI, server: LiveServer) -> None:
     chat = client.chat.completions.create(
-        model="default", messages=USER, response_format={"type": "json_object"}, **SAMPLE
+        model="tandem-tiny", messages=USER, response_format={"type": "json_object"}, **SAMPLE
     )
     assert chat.choices[0].finish_reason == "stop", chat
     assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
@@ -780,7 +780,7 @@ def _streamed_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[tup
 def _tool_requests(client: openai.OpenAI) -> None:
     """tool_choice required and a named function give valid calls; a stream gives the
     same calls in deltas."""
-    base = {"model": "default", "messages": USER, "tools": TOOLS, **SAMPLE}
+    base = {"model": "tandem-tiny", "messages": USER, "tools": TOOLS, **SAMPLE}
     required = client.chat.completions.create(tool_choice="required", **base)
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -805,7 +805,7 @@ def test_tool_calls_qwen25(client: openai.OpenAI) -> None:
 
 def test_parse_with_pydantic_tools(client: openai.OpenAI) -> None:
     out = client.chat.completions.parse(
-        model="default", messages=USER, tools=TOOLS, tool_choice="required", **SAMPLE
+        model="tandem-tiny", messages=USER, tools=TOOLS, tool_choice="required", **SAMPLE
     )
     calls = out.choices[0].message.tool_calls or []
     assert calls
@@ -816,7 +816,7 @@ def test_parse_with_pydantic_tools(client: openai.OpenAI) -> None:
 def test_auto_gives_text_or_valid_calls(client: openai.OpenAI) -> None:
     for seed in (1, 2, 3):
         out = client.chat.completions.create(
-            model="default", messages=USER, tools=TOOLS, **{**SAMPLE, "seed": seed,
+            model="tandem-tiny", messages=USER, tools=TOOLS, **{**SAMPLE, "seed": seed,
                                                             "max_tokens": 40},
         )  # fmt: skip
         message = out.choices[0].message

@@ -65,6 +65,7 @@ def test_a_dead_rank_ends_the_server_with_an_error_naming_it(tmp_path: Path) -> 
 
 def test_a_tp_size_the_model_cannot_split_is_refused_with_the_numbers(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu", "--tp-size", "3"]
+    cmd += ["--model-path", "tandem-tiny"]
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 2

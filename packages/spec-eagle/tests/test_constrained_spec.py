@@ -45,7 +45,11 @@ def _params(temperature: float, seed: int | None) -> list[dict[str, Any]]:
 
 
 def _run(head: Path | None, normal_loop: bool, params: list[dict[str, Any]], **spec: Any) -> Any:
-    options: dict[str, Any] = {"device": "cpu", "disable_overlap_schedule": normal_loop}
+    options: dict[str, Any] = {
+        "model_path": "tandem-tiny",
+        "device": "cpu",
+        "disable_overlap_schedule": normal_loop,
+    }
     if head is not None:
         options |= {
             "speculative_algorithm": "EAGLE3",

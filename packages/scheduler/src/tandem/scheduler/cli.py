@@ -1,8 +1,8 @@
 """``python -m tandem.scheduler``: one-off offline generation with the ``Engine``.
 
-The README's main command: with no ``--model-path`` it uses the embedded default model
-(created in the user's cache on first use), so it runs on a fresh CPU machine. The
-server layer's ``tandem generate`` supersedes it once that lands.
+With no ``--model-path`` it uses the default model (SmolLM2-135M-Instruct, fetched once
+into the user's cache); ``--model-path tandem-tiny`` takes the tiny test model, which
+needs no download. ``tandem generate`` runs it too.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from tandem.scheduler.engine import Engine
+from tandem.scheduler.models.fetch import FetchError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    parser.add_argument("--model-path", help="Hugging Face checkpoint folder (default: embedded)")
+    parser.add_argument(
+        "--model-path",
+        help="model folder, GGUF file, Hugging Face id, or tandem-tiny (default: the "
+        "default model, SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate")
@@ -47,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             dtype=args.dtype,
         )
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, FetchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with engine:

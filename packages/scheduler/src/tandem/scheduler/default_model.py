@@ -1,11 +1,15 @@
-"""The embedded default model: a tiny Llama-shaped checkpoint tandem builds for itself.
+"""The tiny test model, ``tandem-tiny``: a Llama-shaped checkpoint tandem builds itself.
 
-``tandem`` must run, be tested and be demonstrated without downloading anything, so it
-carries the recipe of a small model instead of its bytes: random weights from a fixed
-seed and a byte-level BPE tokenizer trained on a paragraph embedded here. The result is
-an ordinary Hugging Face folder (``transformers`` loads it too), written once into the
-cache and reused. Every build writes byte-identical files, so two machines (or two
-racing processes) always agree on what "the default model" is.
+The test suite, the benchmarks and quick experiments need a model that starts in a
+second and needs no download, so tandem carries the recipe of a tiny one instead of its
+bytes: random weights from a fixed seed and a byte-level BPE tokenizer trained on a
+paragraph embedded here. Its text is gibberish by design. It is served by naming it
+(``--model-path tandem-tiny``, ``Engine(model_path="tandem-tiny")``); the default model
+is a real one (``models.source``). The result is an ordinary Hugging Face folder
+(``transformers`` loads it too), written once into the cache and reused. Every build
+writes byte-identical files, so two machines (or two racing processes) always agree on
+what the tiny model is. (Its folder and some names still say "default model": it was
+tandem's default before the real one.)
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from tokenizers.trainers import BpeTrainer
 
 from tandem.futuremap import read_env
 
-# Bump the suffix whenever any byte of the output changes: caches keyed on the old name
-# must never be mistaken for the new model.
+# The tiny model's cache folder. Bump the suffix whenever any byte of the output changes:
+# caches keyed on the old name must never be mistaken for the new model.
 DEFAULT_MODEL_NAME = "default-model-v1"
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -94,18 +98,28 @@ def cache_root(cache_dir: Path | None = None, environ: Mapping[str, str] | None 
     return base / "tandem"
 
 
-def default_model_path(
+def tiny_model_path(
     cache_dir: Path | None = None, *, environ: Mapping[str, str] | None = None
 ) -> Path:
-    """The folder of the default model, built on first use.
+    """The folder of the tiny test model in tandem's cache (``cache_root``), built on
+    first use (``tiny_model_folder``)."""
+    return tiny_model_folder(cache_root(cache_dir, environ))
+
+
+# Its name from when the tiny model was tandem's default; tests and tools still use it.
+default_model_path = tiny_model_path
+
+
+def tiny_model_folder(root: Path) -> Path:
+    """The tiny test model's folder under tandem's cache folder ``root``, built on first
+    use.
 
     Safe when several processes call it at once: each builds in its own hidden sibling
     folder and renames it into place, which is atomic; whoever loses the race discards
     its copy. A folder without the completion marker (left by a crash or by hand) is
     never returned: it is set aside and rebuilt.
     """
-    target = cache_root(cache_dir, environ) / DEFAULT_MODEL_NAME
-    return build_once(target, write_default_model, is_complete)
+    return build_once(root / DEFAULT_MODEL_NAME, write_default_model, is_complete)
 
 
 def build_once(
@@ -163,7 +177,7 @@ def _discard(folder: Path) -> None:
 
 
 def write_default_model(folder: Path) -> None:
-    """Write every file of the default model into the existing, empty ``folder``."""
+    """Write every file of the tiny model into the existing, empty ``folder``."""
     tokenizer = build_default_tokenizer()
     config = default_model_config(tokenizer)
     (folder / "tokenizer.json").write_bytes((tokenizer.to_str(pretty=True) + "\n").encode())
@@ -218,7 +232,7 @@ def train_merges(text: str, vocab_size: int, min_frequency: int) -> list[tuple[s
 
 
 def build_default_tokenizer() -> Tokenizer:
-    """The default model's tokenizer: ``bpe_tokenizer`` over the embedded text's merges."""
+    """The tiny model's tokenizer: ``bpe_tokenizer`` over the embedded text's merges."""
     return bpe_tokenizer(train_merges(_TRAINING_TEXT, _NUM_BYTES + _MAX_MERGES, 2))
 
 
@@ -264,7 +278,7 @@ _CONTEXT = 2048
 
 
 def default_model_config(tokenizer: Tokenizer) -> dict[str, Any]:
-    """The default model's config.json (``llama_config``)."""
+    """The tiny model's config.json (``llama_config``)."""
     return llama_config(tokenizer, _DEFAULT_SHAPE, _CONTEXT)
 
 
@@ -307,7 +321,7 @@ def _generation_config(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def tokenizer_config(eos_token: str = IM_END_TOKEN, context: int = _CONTEXT) -> dict[str, Any]:
-    """tokenizer_config.json; the default model's end of turn is ``eos_token``."""
+    """tokenizer_config.json; the tiny model's end of turn is ``eos_token``."""
     return {
         # Without it transformers would pick its Llama tokenizer class, which rebuilds
         # a SentencePiece-style pipeline instead of using tokenizer.json as written.
@@ -324,7 +338,7 @@ def tokenizer_config(eos_token: str = IM_END_TOKEN, context: int = _CONTEXT) -> 
 
 
 def default_model_weights(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The default model's weights (``llama_weights``)."""
+    """The tiny model's weights (``llama_weights``)."""
     return llama_weights(config, _SEED)
 
 

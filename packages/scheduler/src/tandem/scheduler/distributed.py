@@ -29,16 +29,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tandem.scheduler.config import EngineConfig
-from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.messages import SamplingSpec, ScheduledBatch
 from tandem.scheduler.models import ModelConfig
+from tandem.scheduler.models.source import resolve_model, resolve_tokenizer
 from tandem.scheduler.models.tensor_parallel import TensorParallel, check_divisible
 
 log = logging.getLogger(__name__)
@@ -157,8 +156,7 @@ def per_node(cfg: EngineConfig) -> int:
 def check_ranks(cfg: EngineConfig) -> ModelConfig:
     """Refuse what cannot start, before any rank does: a ``tp_size`` the model's shapes
     do not divide, more ranks on this machine than devices (or cores, on the CPU)."""
-    path = Path(cfg.model_path) if cfg.model_path else default_model_path()
-    mc = ModelConfig.from_pretrained(path)
+    mc = ModelConfig.from_pretrained(resolve_model(cfg.model_path))
     check_divisible(mc, cfg.tp_size)
     local = per_node(cfg)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -175,6 +173,17 @@ def check_ranks(cfg: EngineConfig) -> ModelConfig:
     return mc
 
 
+def with_local_model(cfg: EngineConfig) -> EngineConfig:
+    """``cfg`` with its model and tokenizer as the local folders they resolve to
+    (``models.source``), so that the ranks this machine starts load them as they are
+    instead of each downloading or fetching them again."""
+    model = resolve_model(cfg.model_path)
+    tokenizer = resolve_tokenizer(cfg.tokenizer_path, model) if cfg.tokenizer_path else None
+    return dataclasses.replace(
+        cfg, model_path=str(model), tokenizer_path=None if tokenizer is None else str(tokenizer)
+    )
+
+
 def rank_device(cfg: EngineConfig, local_rank: int) -> str | None:
     """The device of the rank with index ``local_rank`` on its machine."""
     if cfg.tp_size == 1:
@@ -188,6 +197,7 @@ def rank_device(cfg: EngineConfig, local_rank: int) -> str | None:
 def start_rank_zero(cfg: EngineConfig) -> tuple[EngineConfig, RankGroup]:
     """Rank 0: start this machine's other ranks, join the group, and return the
     config every rank runs (with the meeting address filled in)."""
+    cfg = with_local_model(cfg)
     check_ranks(cfg)
     if cfg.dist_init_addr is None:
         cfg = dataclasses.replace(cfg, dist_init_addr=f"127.0.0.1:{_free_port()}")
@@ -207,6 +217,7 @@ def start_rank_zero(cfg: EngineConfig) -> tuple[EngineConfig, RankGroup]:
 def start_node(cfg: EngineConfig) -> int:
     """A machine other than rank 0's (``node_rank`` > 0): run its ranks until they
     exit; returns the first non-zero exit code, or 0."""
+    cfg = with_local_model(cfg)
     check_ranks(cfg)
     first = cfg.node_rank * per_node(cfg)
     procs = [_spawn(cfg, rank) for rank in range(first, first + per_node(cfg))]

@@ -13,8 +13,7 @@ import asyncio
 import contextlib
 import functools
 import sys
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tandem.scheduler.config import EngineConfig
@@ -23,7 +22,14 @@ from tandem.scheduler.disagg.protocol import Bootstrap
 from tandem.scheduler.distributed import RankGroup, start_rank_zero
 from tandem.scheduler.engine_loop import EngineLoop
 from tandem.scheduler.intake import InputIds, Intake, ParamsArg, Prompt
-from tandem.scheduler.streams import ChunkStream, Outbox, Waiter, collect
+from tandem.scheduler.streams import (
+    Chunk,
+    ChunkStream,
+    Outbox,
+    Waiter,
+    collect,
+    with_logprob_text,
+)
 from tandem.scheduler.wiring import wire
 
 
@@ -65,7 +71,7 @@ class Engine:
         self.eos_ids = parts.eos_ids
         self.attention_backend = parts.attention_backend
         self.scheduler = parts.scheduler
-        self._tokenizer_dir = Path(self.config.tokenizer_path or self.model_path)
+        self._tokenizer_dir = parts.tokenizer_path
         self._closed = False
         self._loop = EngineLoop(
             self.scheduler,
@@ -116,6 +122,8 @@ class Engine:
         rid: str | Sequence[str] | None = None,
         return_token_times: bool = False,
         bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
+        logprob_start_len: int | Sequence[int] = -1,
+        return_text_in_logprobs: bool = False,
     ) -> Any:
         """Generate for one prompt or a batch.
 
@@ -132,14 +140,21 @@ class Engine:
         ``bootstrap`` (a ``disagg.Bootstrap``, or one per prompt) pairs a request with
         its other half on a disaggregated pair of engines (``disaggregation_mode``);
         ignored when the mode is ``null``.
+        ``logprob_start_len`` (SGLang's; one, or one per prompt): with ``return_logprob``,
+        ``meta_info["input_token_logprobs"]`` holds the logprob of each prompt token from
+        this position on given the tokens before it (``None`` for the first prompt
+        token), and with ``top_logprobs_num`` also ``input_top_logprobs``; -1 (the
+        default): no prompt logprobs. ``return_text_in_logprobs``: each logprob tuple's
+        third element is its token's text instead of ``None``.
         """
+        transform = self._logprob_text(return_text_in_logprobs)
         single, waiters = self._submit(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
-            times=return_token_times, bootstrap=bootstrap,
+            times=return_token_times, bootstrap=bootstrap, logprob_start_len=logprob_start_len,
         )  # fmt: skip
         if stream:
-            return ChunkStream(waiters[0])
-        results = self._collect(waiters)
+            return ChunkStream(waiters[0], transform)
+        results = self._collect(waiters, transform=transform)
         return results[0] if single else results
 
     async def async_generate(
@@ -153,18 +168,35 @@ class Engine:
         rid: str | Sequence[str] | None = None,
         return_token_times: bool = False,
         bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
+        logprob_start_len: int | Sequence[int] = -1,
+        return_text_in_logprobs: bool = False,
     ) -> Any:
         """The ``generate`` twin for asyncio: awaits the result, or with
         ``stream=True`` returns an async iterator of chunks."""
+        transform = self._logprob_text(return_text_in_logprobs)
         loop = asyncio.get_running_loop() if stream else None
         single, waiters = self._submit(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
             loop, times=return_token_times, bootstrap=bootstrap,
+            logprob_start_len=logprob_start_len,
         )  # fmt: skip
         if stream:
-            return ChunkStream(waiters[0])
-        results = await asyncio.to_thread(self._collect, waiters, False)
+            return ChunkStream(waiters[0], transform)
+        results = await asyncio.to_thread(self._collect, waiters, False, transform)
         return results[0] if single else results
+
+    def _logprob_text(self, wanted: bool) -> Callable[[Chunk], Chunk] | None:
+        """What ``return_text_in_logprobs`` does to a result: its logprob tuples get
+        their tokens' text (special tokens spelled out, as SGLang's)."""
+        if not wanted:
+            return None
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("return_text_in_logprobs needs the model's tokenizer")
+        text = functools.lru_cache(maxsize=4096)(
+            lambda tok: tokenizer.decode([tok], skip_special_tokens=False)
+        )
+        return functools.partial(with_logprob_text, text=text)
 
     def add_requests(
         self,
@@ -175,6 +207,7 @@ class Engine:
         return_logprob: Sequence[bool] | bool = False,
         top_logprobs_num: Sequence[int] | int = 0,
         bootstrap: Sequence[Bootstrap | None] | None = None,
+        logprob_start_len: Sequence[int] | int = -1,
     ) -> None:
         """Queue a batch of requests, each named by its caller's id, whose output goes
         to ``outbox`` one step at a time (new ids and new logprobs, never text): the
@@ -184,6 +217,7 @@ class Engine:
         _, reqs = self._intake.requests(
             None, list(sampling_params), [list(ids) for ids in input_ids], return_logprob,
             top_logprobs_num, False, list(rids), False, text=False, bootstrap=bootstrap,
+            logprob_start_len=logprob_start_len,
         )  # fmt: skip
         if len(reqs) != len(rids):
             raise ValueError("add_requests takes n=1 per request (one rid each)")
@@ -297,13 +331,14 @@ class Engine:
         loop: asyncio.AbstractEventLoop | None = None,
         times: bool = False,
         bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
+        logprob_start_len: int | Sequence[int] = -1,
     ) -> tuple[bool, list[Waiter]]:
         """Check every request, then queue them all; nothing is queued when any
         request is invalid."""
         self._check_running()
         single, reqs = self._intake.requests(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, stream, rid,
-            times, bootstrap=bootstrap,
+            times, bootstrap=bootstrap, logprob_start_len=logprob_start_len,
         )  # fmt: skip
         waiters = [Waiter(req, stream=stream, loop=loop) for req in reqs]
         for waiter in waiters:
@@ -318,12 +353,17 @@ class Engine:
         if self._loop.failure is not None:
             raise RuntimeError("the scheduler loop died") from self._loop.failure
 
-    def _collect(self, waiters: list[Waiter], progress: bool = True) -> list[dict[str, Any]]:
+    def _collect(
+        self,
+        waiters: list[Waiter],
+        progress: bool = True,
+        transform: Callable[[Chunk], Chunk] | None = None,
+    ) -> list[dict[str, Any]]:
         bar = self._progress(len(waiters)) if progress else None
         results = []
         try:
             for waiter in waiters:
-                results.append(collect(waiter))
+                results.append(collect(waiter, transform))
                 if bar is not None:
                     bar.update(1)
         finally:

@@ -211,7 +211,7 @@ class EngineLoop:
             "text": req.stop.take_new_text(final=update.finished),
             # A stream's chunk holds the step's ids; a final result all of them.
             "output_ids": list(update.new_ids if waiter.stream else req.output_ids),
-            "meta_info": self._meta(req),
+            "meta_info": self._meta(req, waiter),
         }
         if update.finished:
             del self.waiters[req.rid]
@@ -236,6 +236,16 @@ class EngineLoop:
                 delta["top_logprobs"] = [
                     [[lp, tok] for lp, tok in step] for step in req.output_top_logprobs[start:]
                 ]
+            if req.wants_input_logprobs and not waiter.sent_input_logprobs:
+                # All at once, on the first delta: the step that samples the first token
+                # computed the last of them.
+                waiter.sent_input_logprobs = True
+                delta["input_logprobs"] = [[lp, tok] for lp, tok in _input_pairs(req)]
+                if req.top_logprobs_num:
+                    delta["input_top_logprobs"] = [
+                        None if step is None else [[lp, tok] for lp, tok in step]
+                        for step in req.input_top_logprobs
+                    ]
         if update.finished:
             del self.waiters[req.rid]
             meta.update(
@@ -248,7 +258,7 @@ class EngineLoop:
         delta["meta"] = meta
         return delta
 
-    def _meta(self, req: Request) -> dict[str, Any]:
+    def _meta(self, req: Request, waiter: Waiter) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": req.finish.as_dict() if req.finish else None,
@@ -269,4 +279,31 @@ class EngineLoop:
                 meta["output_top_logprobs"] = [
                     [(lp, tok, None) for lp, tok in step] for step in req.output_top_logprobs
                 ]
+            if req.wants_input_logprobs:
+                meta.update(self._input_meta(req, waiter))
         return meta
+
+    @staticmethod
+    def _input_meta(req: Request, waiter: Waiter) -> dict[str, Any]:
+        """``meta_info``'s prompt logprobs, built once they are all in (a stream's chunks
+        then share them rather than rebuilding a prompt's worth per chunk)."""
+        if waiter.input_meta is not None:
+            return waiter.input_meta
+        meta: dict[str, Any] = {
+            "input_token_logprobs": [(lp, tok, None) for lp, tok in _input_pairs(req)]
+        }
+        if req.top_logprobs_num:
+            meta["input_top_logprobs"] = [
+                None if step is None else [(lp, tok, None) for lp, tok in step]
+                for step in req.input_top_logprobs
+            ]
+        if req.input_logprobs_done:
+            waiter.input_meta = meta
+        return meta
+
+
+def _input_pairs(req: Request) -> list[tuple[float | None, int]]:
+    """``req``'s prompt logprobs received so far, each with the prompt token it scores
+    (from ``logprob_start_len`` on; ``None`` for the first prompt token)."""
+    tokens = req.prompt_ids[req.logprob_start_len :]
+    return list(zip(req.input_logprobs, tokens, strict=False))

@@ -36,6 +36,7 @@ class _Parsed:
     params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
     compiled: Any = None  # its compiled grammar, when its output is constrained
 
 
@@ -72,10 +73,13 @@ class Intake:
         times: bool,
         text: bool = True,
         bootstrap: Bootstrap | Sequence[Bootstrap | None] | None = None,
+        logprob_start_len: int | Sequence[int] = -1,
     ) -> tuple[bool, list[Request]]:
         """The call's requests, in order, and whether it took a single prompt.
         ``text=False``: the caller decodes the ids itself, so a request without stop
-        strings gets no detokenizer here."""
+        strings gets no detokenizer here. ``logprob_start_len`` (SGLang's): with
+        logprobs asked for, the prompt position from which prompt logprobs are
+        returned; -1 for none."""
         single, prompts = self._prompt_ids(prompt, input_ids)
         if stream and not single:
             raise ValueError("stream=True takes a single prompt (or input_ids list)")
@@ -83,6 +87,7 @@ class Intake:
         params = _per_request(sampling_params, n, "sampling_params")
         logprob = _per_request(return_logprob, n, "return_logprob")
         top_n = _per_request(top_logprobs_num, n, "top_logprobs_num")
+        starts = _per_request(logprob_start_len, n, "logprob_start_len")
         parsed = [
             self._parse(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
@@ -91,9 +96,12 @@ class Intake:
                 raise ValueError(
                     f"top_logprobs_num must be an int in [0, {self.vocab_size}], got {top!r}"
                 )
-        for item, want_lp, top in zip(parsed, logprob, top_n, strict=True):
+        for i, (item, want_lp, top, start) in enumerate(
+            zip(parsed, logprob, top_n, starts, strict=True)
+        ):
             item.return_logprob = bool(want_lp or item.params.return_logprob)
             item.top_logprobs_num = max(top, item.params.top_logprobs_num)
+            item.logprob_start_len = self._logprob_start(i, start, item)
         if stream and parsed[0].params.n > 1:
             raise ValueError("stream=True takes n=1")
         rids = self._request_ids(rid, parsed)
@@ -105,6 +113,29 @@ class Intake:
             for copy, request_id in zip(_copies(item), ids, strict=True)
         ]
         return single and len(reqs) == 1, reqs
+
+    def _logprob_start(self, index: int, start: Any, item: _Parsed) -> int:
+        """Request ``index``'s checked ``logprob_start_len``: -1, or a prompt position
+        (then it gets prompt logprobs, if it asked for logprobs at all, as in SGLang)."""
+        n = len(item.prompt_ids)
+        if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start < n:
+            raise ValueError(
+                f"request {index}: logprob_start_len must be -1 (no prompt logprobs) or a "
+                f"prompt position in [0, {n}) (the prompt has {n} tokens), got {start!r}"
+            )
+        if start < 0 or not item.return_logprob:
+            return -1
+        if self.spec is not None:
+            raise ValueError(
+                f"request {index}: prompt logprobs (logprob_start_len) are not supported "
+                "with speculative decoding"
+            )
+        if self.disaggregation_mode != "null":
+            raise ValueError(
+                f"request {index}: prompt logprobs (logprob_start_len) are not supported "
+                f"with disaggregation_mode={self.disaggregation_mode!r}"
+            )
+        return start
 
     def _bootstraps(
         self, bootstrap: Bootstrap | Sequence[Bootstrap | None] | None, parsed: list[_Parsed]
@@ -241,6 +272,7 @@ class Intake:
             stop=StopChecker(item.params.stop_strings, detok),
             return_logprob=item.return_logprob,
             top_logprobs_num=item.top_logprobs_num,
+            logprob_start_len=item.logprob_start_len,
             bootstrap=boot,
         )
         if times:

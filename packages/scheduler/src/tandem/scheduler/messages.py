@@ -99,6 +99,14 @@ class ScheduledBatch:
     prebuilt_tokens: list[int] = field(default_factory=list)
     prebuilt_lens: list[int] = field(default_factory=list)
     step: int = 0  # the forward step that launched it (names it in the page ledger)
+    # Prompt logprobs (``Request.logprob_start_len``): the requests computing some in
+    # this forward, how many each (in order), and per logprob the token (an index into
+    # the [T] layout) whose logits give it and the prompt token it scores.
+    input_logprob_reqs: list[Request] = field(default_factory=list)
+    input_logprob_counts: list[int] = field(default_factory=list)
+    input_logprob_tokens: list[int] = field(default_factory=list)
+    input_logprob_targets: list[int] = field(default_factory=list)
+    input_logprob_top: int = 0  # the most top logprobs any of them wants
 
     def add(
         self, req: Request, start: int, extend: int, slots: list[int], writes: bool = True
@@ -116,6 +124,15 @@ class ScheduledBatch:
             self.out_cache_loc.extend(slots)
         self.map(req.row, start, slots)
         return len(self.reqs) - 1
+
+    def add_input_logprobs(self, req: Request, first_token: int, targets: list[int]) -> None:
+        """``req``'s prompt logprobs of ``targets``, each scored by the logits of the token
+        before it: the tokens from ``first_token`` (in the [T] layout) on."""
+        self.input_logprob_reqs.append(req)
+        self.input_logprob_counts.append(len(targets))
+        self.input_logprob_tokens.extend(range(first_token, first_token + len(targets)))
+        self.input_logprob_targets.extend(targets)
+        self.input_logprob_top = max(self.input_logprob_top, req.top_logprobs_num)
 
     def map(self, row: int, start: int, slots: list[int]) -> None:
         """Point ``row``'s positions ``start...`` at ``slots`` in req_to_token."""
@@ -194,6 +211,10 @@ class StepResult:
     top_logprob_values: torch.Tensor | None = None  # [S, k] top logprobs ...
     top_logprob_ids: torch.Tensor | None = None  # ... and their ids
     logits: torch.Tensor | None = None  # [S, V] when the batch asked for them
+    # Prompt logprobs, in ``ScheduledBatch.input_logprob_targets``' order (None: none).
+    input_logprobs: torch.Tensor | None = None  # [N] logprob of each target
+    input_top_values: torch.Tensor | None = None  # [N, k] top logprobs ...
+    input_top_ids: torch.Tensor | None = None  # ... and their ids
 
 
 @dataclass(frozen=True, slots=True)

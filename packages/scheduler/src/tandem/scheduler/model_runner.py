@@ -33,6 +33,9 @@ from tandem.scheduler.speculative import PrefillDraftInput, SpecDecodeInput, Spe
 from tandem.scheduler.step_inputs import StepInputs
 from tandem.scheduler.timeline import Timeline
 
+INPUT_LOGPROB_BLOCK = 512
+"""Prompt positions whose full-vocabulary logits exist at once, for prompt logprobs."""
+
 
 class StepDriver(Protocol):
     """How a step runs on the device's streams (``CpuStep``, ``DeviceStep``)."""
@@ -183,10 +186,39 @@ class ModelRunner:
             next_ids, result = self._sample(batch, sampling, logits, inputs.sample_rows)
         else:
             result = StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
+        if batch.input_logprob_tokens:
+            self._input_logprobs(batch, hidden, result)
         if self.spec is not None:
             features = torch.cat(captured, dim=-1) if captured else hidden
             self._draft_after_prefill(batch, inputs, fb, features, next_ids)
         return result
+
+    def _input_logprobs(
+        self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult
+    ) -> None:
+        """The batch's prompt logprobs into ``result``: the float32 log-softmax of the
+        logits before each scored prompt token, gathered at it (and its top
+        alternatives), ``INPUT_LOGPROB_BLOCK`` positions' full-vocabulary logits at a
+        time. Only the positions asked for are projected to the vocabulary."""
+        tokens = self._tensor(batch.input_logprob_tokens)
+        targets = self._tensor(batch.input_logprob_targets)
+        k = batch.input_logprob_top
+        chosen, values, ids = [], [], []
+        for lo in range(0, tokens.shape[0], INPUT_LOGPROB_BLOCK):
+            rows = tokens[lo : lo + INPUT_LOGPROB_BLOCK]
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            picked = targets[lo : lo + INPUT_LOGPROB_BLOCK].unsqueeze(1)
+            chosen.append(logprobs.gather(1, picked).squeeze(1))
+            if k > 0:
+                top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+                values.append(top.values)
+                ids.append(top.indices)
+            del logits, logprobs
+        result.input_logprobs = torch.cat(chosen)
+        if k > 0:
+            result.input_top_values = torch.cat(values)
+            result.input_top_ids = torch.cat(ids)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """An int list as a device tensor (the rare inputs ``StepInputs`` leaves out)."""

@@ -89,7 +89,7 @@ class PrefillManager:
         if not self.longest_prefix_first or len(waiting) < 2:
             return
         cached = self.resources.cached_prefix
-        scored = sorted(enumerate(waiting), key=lambda item: (-cached(item[1].fill_ids), item[0]))
+        scored = sorted(enumerate(waiting), key=lambda item: (-cached(item[1]), item[0]))
         waiting.clear()  # in place: others hold the queue
         waiting.extend(req for _, req in scored)
 
@@ -106,6 +106,8 @@ class PrefillManager:
         for req, n in chosen:
             start, end = req.kv_len, req.kv_len + n
             index = batch.add(req, start, n, slots(req.pages, start, end))
+            if req.input_logprob_next < len(req.prompt_ids):
+                _input_logprobs(batch, req, len(batch.prefill_tokens), start, end)
             batch.prefill_tokens.extend(req.fill_ids[start:end])
             batch.positions.extend(range(start, end))
             if self.spec is not None:
@@ -127,3 +129,18 @@ class PrefillManager:
             self.stages.running.append(req)
         else:
             batch.finishing.append(req)
+
+
+def _input_logprobs(batch: ScheduledBatch, req: Request, offset: int, start: int, end: int) -> None:
+    """The prompt logprobs that ``req``'s chunk ``[start, end)`` (its tokens from
+    ``offset`` in the batch's [T] layout) computes: the logits at position ``p`` score
+    prompt token ``p + 1``, so those of prompt positions ``start + 1 ... end`` that no
+    earlier chunk computed."""
+    first = max(req.input_logprob_next, start + 1)
+    last = min(end, len(req.prompt_ids) - 1)
+    if first > last:
+        return
+    # The radix cache serves no prefix past the position before the next one to compute.
+    assert first == req.input_logprob_next, (req.rid, first, req.input_logprob_next)
+    batch.add_input_logprobs(req, offset + first - 1 - start, req.prompt_ids[first : last + 1])
+    req.input_logprob_next = last + 1

@@ -65,6 +65,28 @@ class Release:
             ids = result.top_logprob_ids[k, : req.top_logprobs_num].tolist()
             req.output_top_logprobs.append(list(zip(values, ids, strict=True)))
 
+    def input_logprobs(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Append the prompt logprobs ``batch`` computed to their requests (in the order
+        ``ScheduledBatch.add_input_logprobs`` laid them out); a request that ended
+        meanwhile gets none."""
+        assert result.input_logprobs is not None
+        chosen = result.input_logprobs.tolist()
+        top = result.input_top_values is not None and result.input_top_ids is not None
+        values = result.input_top_values.tolist() if top else None  # type: ignore[union-attr]
+        ids = result.input_top_ids.tolist() if top else None  # type: ignore[union-attr]
+        start = 0
+        for req, count in zip(batch.input_logprob_reqs, batch.input_logprob_counts, strict=True):
+            end = start + count
+            if not req.finished:
+                req.input_logprobs.extend(chosen[start:end])
+                k = req.top_logprobs_num
+                if k and values is not None and ids is not None:
+                    req.input_top_logprobs.extend(
+                        list(zip(v[:k], i[:k], strict=True))
+                        for v, i in zip(values[start:end], ids[start:end], strict=True)
+                    )
+            start = end
+
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
         if token_stop(token, params.stop_token_ids or (), self.eos_ids, params.ignore_eos):

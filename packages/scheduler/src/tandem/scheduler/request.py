@@ -62,6 +62,14 @@ class Request:
     can commit, processing takes back what it did not), ``spec_committed`` the
     processed truth, ``spec_verify_ct`` the steps processed, ``spec_launched`` the
     steps launched.
+
+    Prompt logprobs (``logprob_start_len >= 0``, SGLang's field; -1: none): the logprob
+    of each prompt token from ``logprob_start_len`` on given the tokens before it (the
+    first prompt token has none: ``None``). Each prefill chunk computes those its
+    logits predict; ``input_logprob_next`` is the next prompt position no launched
+    chunk has computed yet (host truth at schedule time), ``input_logprobs`` and
+    ``input_top_logprobs`` what processing has received. The radix cache may not serve
+    a prefix reaching a position still to be computed (``prefix_limit``).
     """
 
     rid: str
@@ -70,6 +78,7 @@ class Request:
     stop: StopChecker
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
     # Most tokens it may sample: max_new_tokens, capped by the context (set on add).
     max_samples: int = 0
     row: int | None = None
@@ -78,6 +87,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprob_next: int = 0
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     finish: FinishReason | None = None
     cached_tokens: int = 0
     # When each output token reached the host (``time.perf_counter``), for requests
@@ -104,6 +116,35 @@ class Request:
     def __post_init__(self) -> None:
         if not self.fill_ids:
             self.fill_ids = list(self.prompt_ids)
+        start = self.logprob_start_len
+        if start < 0:
+            self.input_logprob_next = len(self.prompt_ids)  # nothing to compute
+        else:
+            self.input_logprob_next = max(start, 1)
+            if start == 0:  # the first prompt token has no logprob
+                self.input_logprobs.append(None)
+                if self.top_logprobs_num:
+                    self.input_top_logprobs.append(None)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Whether it asked for prompt logprobs (``logprob_start_len >= 0``)."""
+        return self.logprob_start_len >= 0
+
+    @property
+    def input_logprobs_done(self) -> bool:
+        """Whether every prompt logprob it asked for has been received."""
+        return len(self.input_logprobs) >= len(self.prompt_ids) - max(self.logprob_start_len, 0)
+
+    @property
+    def prefix_limit(self) -> int:
+        """The most tokens of ``fill_ids`` the radix cache may serve: all but the last
+        (the model runs on at least one token), and none from the position before the
+        next prompt logprob to compute (its logits must be computed)."""
+        limit = len(self.fill_ids) - 1
+        if self.input_logprob_next < len(self.prompt_ids):
+            limit = min(limit, self.input_logprob_next - 1)
+        return max(limit, 0)
 
     @property
     def prefill_done(self) -> bool:

@@ -44,19 +44,20 @@ class Resources:
         """Pages ``req`` still needs to hold positions below ``end``."""
         return max(0, self.kv_pool.pages_for(end) - len(req.pages))
 
-    def cached_prefix(self, tokens: list[int]) -> int:
-        """Tokens of ``tokens`` the radix cache could serve (0 without it)."""
+    def cached_prefix(self, req: Request) -> int:
+        """Tokens of ``req``'s fill the radix cache could serve it (0 without it)."""
         if self.radix is None:
             return 0
-        return self.radix.prefix_length(tokens, len(tokens) - 1)
+        return self.radix.prefix_length(req.fill_ids, req.prefix_limit)
 
     def admit(self, req: Request, first_chunk: int, reserve: int) -> bool:
-        """Give ``req`` a row and its cached prefix (``req.kv_len``), if its first chunk
-        fits after ``reserve`` pages kept for decoding requests."""
+        """Give ``req`` a row and its cached prefix (``req.kv_len``, at most
+        ``req.prefix_limit``), if its first chunk fits after ``reserve`` pages kept for
+        decoding requests."""
         fill = req.fill_ids
         match = None
         if self.radix is not None:
-            match = self.radix.match_prefix(fill, max_tokens=len(fill) - 1)
+            match = self.radix.match_prefix(fill, max_tokens=req.prefix_limit)
             self.radix.lock(match.node)
         cached = match.num_tokens if match is not None else 0
         first = min(len(fill) - cached, first_chunk)

@@ -284,9 +284,12 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[Update]:
-        """Hand each sampling row's tokens to its request, discarding the overshoot
-        of requests that ended after this batch was launched; then release."""
+        """Hand each sampling row's tokens to its request (after the prompt logprobs the
+        batch computed, which its first token's update carries), discarding the
+        overshoot of requests that ended after this batch was launched; then release."""
         self.release.stamp()
+        if batch.input_logprob_reqs:
+            self.release.input_logprobs(batch, result)
         updates: list[Update] = []
         tokens = result.next_token_ids.tolist()
         accepted = result.accept_lens.tolist() if result.accept_lens is not None else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,9 +28,12 @@ class Outbox(Protocol):
 
     A delta holds a request's ``rid``, its new token ``ids``, only its new logprobs
     (``logprobs``: ``[logprob, id]`` pairs; ``top_logprobs``: a list of those pairs per
-    token) and ``meta`` (``cached_tokens``; on the last delta also ``finish_reason``,
-    the token counts and ``spec_verify_ct``). No text: whoever reads the ids decodes
-    them, once."""
+    token), with prompt logprobs asked for, on its first delta, ``input_logprobs``
+    (``[logprob, id]`` pairs from ``logprob_start_len`` on, the first prompt token's
+    logprob ``None``) and ``input_top_logprobs`` (a list of pairs, or ``None``, per
+    prompt position), and ``meta`` (``cached_tokens``; on the last delta also
+    ``finish_reason``, the token counts and ``spec_verify_ct``). No text: whoever reads
+    the ids decodes them, once."""
 
     def send(self, deltas: list[Delta]) -> None: ...
 
@@ -56,6 +59,10 @@ class Waiter:
     achunks: asyncio.Queue[Chunk | BaseException] | None = None
     sent_logprobs: int = 0
     """Logprobs already delivered through the outbox."""
+    sent_input_logprobs: bool = False
+    """Prompt logprobs delivered through the outbox (they go once, all together)."""
+    input_meta: dict[str, Any] | None = None
+    """The prompt logprobs' ``meta_info`` entries, once complete (built once)."""
 
     def __post_init__(self) -> None:
         if self.loop is not None:
@@ -83,11 +90,13 @@ def put_all(items: Sequence[tuple[Waiter, Chunk | BaseException]]) -> None:
 
 class ChunkStream:
     """A request's chunks, up to and including the one that finishes it: iterate it
-    with ``for`` (a thread's waiter) or ``async for`` (an asyncio waiter)."""
+    with ``for`` (a thread's waiter) or ``async for`` (an asyncio waiter); each chunk
+    passes through ``transform`` when one is given."""
 
-    def __init__(self, waiter: Waiter) -> None:
+    def __init__(self, waiter: Waiter, transform: Callable[[Chunk], Chunk] | None = None) -> None:
         self._waiter = waiter
         self._done = False
+        self._transform = transform
 
     def __iter__(self) -> ChunkStream:
         return self
@@ -111,14 +120,38 @@ class ChunkStream:
             self._done = True
             raise RuntimeError("generation failed") from item
         self._done = item["meta_info"]["finish_reason"] is not None
-        return item
+        return item if self._transform is None else self._transform(item)
 
 
-def collect(waiter: Waiter) -> Chunk:
-    """A request's final result: its chunks' text and ids joined, the last meta."""
+def collect(waiter: Waiter, transform: Callable[[Chunk], Chunk] | None = None) -> Chunk:
+    """A request's final result: its chunks' text and ids joined, the last meta (passed
+    through ``transform`` when one is given)."""
     text, ids, meta = "", [], None
     for chunk in ChunkStream(waiter):
         text += chunk["text"]
         ids.extend(chunk["output_ids"])
         meta = chunk["meta_info"]
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+    result = {"text": text, "output_ids": ids, "meta_info": meta}
+    return result if transform is None else transform(result)
+
+
+LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+"""``meta_info``'s lists of ``(logprob, token_id, text)`` tuples."""
+TOP_LOGPROB_KEYS = ("input_top_logprobs", "output_top_logprobs")
+"""``meta_info``'s lists, per position, of such tuples (or ``None``)."""
+
+
+def with_logprob_text(chunk: Chunk, text: Callable[[int], str]) -> Chunk:
+    """``chunk`` with the text of each logprob tuple's token as its third element
+    (SGLang's ``return_text_in_logprobs``); ``text`` decodes one token id."""
+    meta = dict(chunk["meta_info"])
+    for key in LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [(lp, tok, text(tok)) for lp, tok, _ in meta[key]]
+    for key in TOP_LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [
+                None if step is None else [(lp, tok, text(tok)) for lp, tok, _ in step]
+                for step in meta[key]
+            ]
+    return {**chunk, "meta_info": meta}

@@ -27,18 +27,19 @@ from tandem.scheduler.attention import (
     create_attention_backend,
     default_backend,
 )
-from tandem.scheduler.attention.cpu_kernel import bf16_kernels, load_cpu_kernels
-from tandem.scheduler.attention.torch_backend import TorchAttention, bf16_kernel_fits
+from tandem.scheduler.attention.cpu_kernel import load_cpu_kernels
+from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.cpu_malloc import keep_freed_memory
 from tandem.scheduler.cpu_step import ForwardThreads
 from tandem.scheduler.cuda_graph import DecodeGraphRunner
 from tandem.scheduler.decode_trace import DecodeTrace
-from tandem.scheduler.default_model import cache_root, default_model_path
+from tandem.scheduler.default_model import cache_root
 from tandem.scheduler.distributed import RankGroup, StepRelay, per_node, rank_device
 from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.model_runner import ModelRunner
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model, resolve_dtype
+from tandem.scheduler.models.source import resolve_model, resolve_tokenizer
 from tandem.scheduler.models.tensor_parallel import SINGLE
 from tandem.scheduler.sampling import PenaltyState, Sampler
 from tandem.scheduler.scheduler import Scheduler
@@ -58,6 +59,9 @@ class EngineParts:
     """What ``wire`` built, as the ``Engine`` uses it."""
 
     model_path: Path
+    """The local model folder ``cfg.model_path`` resolved to (``models.source``)."""
+    tokenizer_path: Path
+    """The tokenizer's folder: ``cfg.tokenizer_path`` resolved, else ``model_path``."""
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
@@ -130,7 +134,8 @@ def _on_loader_thread(build: Callable[[], EngineParts]) -> EngineParts:
 def _wire(
     cfg: EngineConfig, ranks: RankGroup | None, device: torch.device, cores: int
 ) -> EngineParts:
-    model_path = Path(cfg.model_path) if cfg.model_path else default_model_path()
+    model_path = resolve_model(cfg.model_path)
+    tokenizer_path = resolve_tokenizer(cfg.tokenizer_path, model_path)
     tp = ranks.tp if ranks is not None else SINGLE
     mc = ModelConfig.from_pretrained(model_path)
     dtype = resolve_dtype(cfg.dtype, mc)
@@ -151,7 +156,7 @@ def _wire(
             if cfg.cpu_forward_threads
             else default_forward_threads(local, cores)
         )
-    tokenizer = _load_tokenizer(Path(cfg.tokenizer_path or model_path))
+    tokenizer = _load_tokenizer(tokenizer_path)
     eos_ids = _eos_ids(model_path, mc, tokenizer)
 
     debug = cfg.debug_futures
@@ -223,6 +228,7 @@ def _wire(
         disaggregate(cfg, scheduler)
     return EngineParts(
         model_path=model_path,
+        tokenizer_path=tokenizer_path,
         model_config=mc,
         device=device,
         dtype=dtype,
@@ -320,8 +326,8 @@ def _cpu_kernels(
 ) -> tuple[bool, bool]:
     """Which of tandem's C++ CPU kernels (``attention.cpu_kernel``, built on the first
     start on a machine) the forward uses: the decode attention (the ``torch`` backend;
-    float32; bfloat16 on a CPU with AVX512-BF16 and heads it takes, and without
-    AVX512-BF16 the float32 kernel over widened operands) unless
+    float32; bfloat16 with AVX512-BF16 for heads its bfloat16 path takes, and otherwise
+    the float32 kernel over widened operands) unless
     ``disable_cpu_decode_kernel``, and the model's fused element-wise ops (float32 or
     bfloat16; with them, float32 products for one or two tokens) unless
     ``disable_cpu_fused_ops``. Neither off the CPU, nor where the
@@ -329,10 +335,8 @@ def _cpu_kernels(
     if device.type != "cpu":
         return False, False
     dtype = heads.dtype
-    fits = bf16_kernel_fits(heads.num_heads, heads.num_kv_heads, heads.head_dim)
-    bf16 = dtype == torch.bfloat16 and (fits or not bf16_kernels())
     decode = not cfg.disable_cpu_decode_kernel and backend == "torch"
-    decode = decode and (dtype == torch.float32 or bf16)
+    decode = decode and dtype in (torch.float32, torch.bfloat16)
     fused = not cfg.disable_cpu_fused_ops and dtype in (torch.float32, torch.bfloat16)
     if not (decode or fused) or not load_cpu_kernels(cache_root() / "kernels"):
         return False, False

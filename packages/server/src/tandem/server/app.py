@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,7 +304,10 @@ def _encode(
     return prepare.encode(st.tokenizer, texts, special)
 
 
-def _completion_prompts(st: ServerState, prompt: Any, n: int) -> list[list[int]]:
+def _completion_prompts(
+    st: ServerState, prompt: Any, n: int
+) -> tuple[list[list[int]], list[str] | None]:
+    """The prompts' token ids, and their texts when they came as texts (else None)."""
     if prompt is None:
         raise APIError("prompt is required", param="prompt")
     texts: list[str] = []
@@ -322,7 +326,7 @@ def _completion_prompts(st: ServerState, prompt: Any, n: int) -> list[list[int]]
         prompts = _encode(st, texts, params)
     for ids, param in zip(prompts, params, strict=True):
         parsing.check_ids(ids, st.limits, param)
-    return prompts
+    return prompts, texts or None
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -407,19 +411,32 @@ def _chat_prompt(
 def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
     body = _json(raw)
     _check_model(st, body)
-    if parsing._bool(body, "echo"):
-        raise APIError("echo is not supported", param="echo")
+    echo = parsing._bool(body, "echo")
     n = parsing.choices_count(body)
     params = parsing.sampling_from_openai(body, st.limits)
     params.update(structured.openai_grammar(body))
     top = parsing.int_in(body, "logprobs", 0, parsing.MAX_TOP_LOGPROBS)
-    prompts = _completion_prompts(st, parsing.integral_ids(body.get("prompt")), n)
+    prompts, texts = _completion_prompts(st, parsing.integral_ids(body.get("prompt")), n)
     boot = parsing.bootstrap(body, st.disaggregated, len(prompts), lists=True)
     parsing.check_one_choice(boot, n)
+    if echo and st.tokenizer is None:
+        raise APIError("echo needs the model's tokenizer, which this model lacks", param="echo")
+    if echo and top is not None and boot is not None:
+        raise APIError(
+            "echo with logprobs (the prompt's logprobs) is not supported with prefill/decode "
+            "disaggregation",
+            param="echo",
+        )
     jobs = parsing.expand(
         prompts, params, n, st.limits, top is not None, top or 0,
-        default_max=_COMPLETIONS_DEFAULT_MAX_TOKENS,
+        default_max=_COMPLETIONS_DEFAULT_MAX_TOKENS, logprob_start_len=0 if echo else -1,
     )  # fmt: skip
+    if echo:
+        assert st.tokenizer is not None
+        for job in jobs:
+            p = job.index // n
+            skip = bool(job.params.get("skip_special_tokens", True))
+            job.echo = texts[p] if texts else st.tokenizer.decode(prompts[p], skip)
     return body, parsing.with_bootstrap(jobs, boot)
 
 
@@ -460,6 +477,12 @@ def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[J
     params = parsing.native_sampling(body.get("sampling_params"))
     want = parsing._bool(body, "return_logprob")
     top = parsing.int_in(body, "top_logprobs_num", 0, parsing.MAX_TOP_LOGPROBS, 0)
+    start = parsing.logprob_start(body)
+    if parsing._bool(body, "return_text_in_logprobs") and st.tokenizer is None:
+        raise APIError(
+            "return_text_in_logprobs needs the model's tokenizer, which this model lacks",
+            param="return_text_in_logprobs",
+        )
     if parsing._typed(body, "rid", str, "a string") == "":
         raise APIError("rid must not be empty", param="rid")
     parsing._bool(body, "stream")
@@ -473,9 +496,16 @@ def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[J
             raise APIError("input_ids must be a list of token ids", param="input_ids")
         ids, param = input_ids, "input_ids"
     parsing.check_ids(ids, st.limits, param)
+    if start >= 0 and want and boot is not None:
+        raise APIError(
+            "prompt logprobs (logprob_start_len) are not supported with prefill/decode "
+            "disaggregation",
+            param="logprob_start_len",
+        )
     jobs = parsing.expand(
-        [ids], params, 1, st.limits, want, top, default_max=128, prefix="sampling_params."
-    )
+        [ids], params, 1, st.limits, want, top, default_max=128, prefix="sampling_params.",
+        logprob_start_len=start,
+    )  # fmt: skip
     return body, parsing.with_bootstrap(jobs, boot)
 
 
@@ -484,14 +514,33 @@ def _token_str(st: ServerState, tok: int) -> str:
     return st.tokenizer.decode([tok], skip_special_tokens=False) if st.tokenizer else str(tok)
 
 
-def _completion_logprobs(st: ServerState, lps: list[list[Any]], tops: list[Any]) -> dict[str, Any]:
+def _completion_logprobs(
+    st: ServerState, lps: list[list[Any]], tops: list[Any], offset: int = 0
+) -> dict[str, Any]:
+    """OpenAI's legacy logprobs: each token's text, logprob and top alternatives (a
+    ``None`` logprob, and ``None`` alternatives, for the first token of an echoed prompt),
+    and its character offset, counted from ``offset`` over the tokens' texts (as vLLM)."""
+    tokens = [_token_str(st, int(t)) for _, t, *_ in lps]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
     return {
-        "tokens": [_token_str(st, int(t)) for _, t, *_ in lps],
+        "tokens": tokens,
         "token_logprobs": [lp for lp, *_ in lps],
-        "top_logprobs": [{_token_str(st, int(t)): lp for lp, t, *_ in step} for step in tops]
+        "top_logprobs": [None if step is None else _alternatives(st, step) for step in tops]
         or None,
-        "text_offset": [],
+        "text_offset": offsets,
     }
+
+
+def _alternatives(st: ServerState, step: list[list[Any]]) -> dict[str, float]:
+    """One step's top alternatives as ``{text: logprob}``, most likely first; where two
+    tokens share a text (byte pieces), the more likely one's logprob is kept."""
+    out: dict[str, float] = {}
+    for lp, tok, *_ in step:
+        out.setdefault(_token_str(st, int(tok)), lp)
+    return out
 
 
 def _chat_logprobs(st: ServerState, lps: list[list[Any]], tops: list[Any]) -> dict[str, Any]:
@@ -582,6 +631,9 @@ async def _respond(
         return f"data: {json.dumps(out)}\n\n"
 
     calls = {j.index: tools.stream() for j in jobs} if tools is not None else {}
+    # echo: each choice's first chunk starts with its prompt (vLLM's way).
+    echoes = {j.index: j.echo for j in jobs if j.echo is not None}
+    sent = {j.index: 0 for j in jobs}  # characters each choice's chunks held so far
 
     async def sse() -> AsyncIterator[str]:
         completion = 0
@@ -604,7 +656,11 @@ async def _respond(
                         for choice in _tool_deltas(st, event, calls[event.index]):
                             yield frame([choice])
                     else:
-                        yield frame([_delta_choice(st, event, chat)])
+                        echo = echoes.pop(event.index, None)
+                        choice = _delta_choice(st, event, chat, echo, sent[event.index])
+                        if not chat:
+                            sent[event.index] += len(choice["text"])
+                        yield frame([choice])
         except Exception as exc:  # noqa: BLE001 - reported in-band, then the stream ends
             yield f"data: {json.dumps(as_api_error(exc).body())}\n\ndata: [DONE]\n\n"
             return
@@ -670,7 +726,24 @@ def _full_choice(
             body["message"]["tool_calls"] = [call.openai() for call in calls]
             reason = "tool_calls" if reason == "stop" else reason
     want = jobs[0].return_logprob
-    return _choice(st, c.index, body, c.logprobs, c.top_logprobs, want, reason, chat)
+    job = next((j for j in jobs if j.index == c.index), jobs[0])
+    if job.echo is None:
+        return _choice(st, c.index, body, c.logprobs, c.top_logprobs, want, reason, chat)
+    body["text"] = job.echo + c.text
+    lps, tops = _echoed(c.input_logprobs, c.input_top_logprobs, c.logprobs, c.top_logprobs)
+    return _choice(st, c.index, body, lps, tops, want, reason, chat)
+
+
+def _echoed(
+    prompt_lps: list[list[Any]] | None,
+    prompt_tops: list[Any] | None,
+    lps: list[list[Any]],
+    tops: list[Any],
+) -> tuple[list[list[Any]], list[Any]]:
+    """``echo``'s logprobs: the prompt's (the first token's ``None``) before the
+    completion's; alternatives only where the completion has them."""
+    prompt_tops = prompt_tops or []
+    return [*(prompt_lps or []), *lps], [*prompt_tops, *tops] if prompt_tops else tops
 
 
 def _tool_deltas(st: ServerState, e: Event, stream: tool_calls.CallStream) -> list[dict[str, Any]]:
@@ -708,10 +781,22 @@ def _tool_deltas(st: ServerState, e: Event, stream: tool_calls.CallStream) -> li
     return out
 
 
-def _delta_choice(st: ServerState, e: Event, chat: bool) -> dict[str, Any]:
-    body = {"delta": {"content": e.text} if e.text else {}} if chat else {"text": e.text}
-    want = bool(e.logprobs)
-    return _choice(st, e.index, body, e.logprobs, e.top_logprobs, want, e.finish_reason, chat)
+def _delta_choice(
+    st: ServerState, e: Event, chat: bool, echo: str | None = None, offset: int = 0
+) -> dict[str, Any]:
+    """One event as a chunk's choice; ``echo``: the prompt's text, which this first chunk
+    of a completion's choice starts with (and its logprobs with the prompt's);
+    ``offset``: the characters the choice's earlier chunks held (``text_offset``)."""
+    if chat:
+        body = {"delta": {"content": e.text} if e.text else {}}
+        want = bool(e.logprobs)
+        return _choice(st, e.index, body, e.logprobs, e.top_logprobs, want, e.finish_reason, True)
+    lps, tops = e.logprobs, e.top_logprobs
+    if echo is not None:
+        lps, tops = _echoed(e.input_logprobs, e.input_top_logprobs, lps, tops)
+    body = {"text": e.text if echo is None else echo + e.text}
+    want = bool(lps)
+    return _choice(st, e.index, body, lps, tops, want, e.finish_reason, False, offset)
 
 
 def _choice(
@@ -723,27 +808,35 @@ def _choice(
     want: bool,
     finish_reason: Any,
     chat: bool,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """One choice of a response or a chunk: index, content, logprobs, finish reason."""
-    render = _chat_logprobs if chat else _completion_logprobs
-    return {
-        "index": index,
-        **body,
-        "logprobs": render(st, logprobs, top_logprobs) if want else None,
-        "finish_reason": finish_reason,
-    }
+    """One choice of a response or a chunk: index, content, logprobs, finish reason;
+    ``offset``: where a completion chunk's ``text_offset`` counts from."""
+    rendered = None
+    if want:
+        rendered = (
+            _chat_logprobs(st, logprobs, top_logprobs)
+            if chat
+            else _completion_logprobs(st, logprobs, top_logprobs, offset)
+        )
+    return {"index": index, **body, "logprobs": rendered, "finish_reason": finish_reason}
 
 
 # -- SGLang's native /generate -------------------------------------------------------------------
 async def _native(
     st: ServerState, request: Request, body: dict[str, Any], jobs: list[Job]
 ) -> Response:
-    want = jobs[0].return_logprob
     rid = body.get("rid")
+    texts = parsing._bool(body, "return_text_in_logprobs")
+    shape = _NativeLogprobs(
+        jobs[0].return_logprob,
+        jobs[0].logprob_start_len >= 0,
+        functools.partial(_token_str, st) if texts else None,
+    )
     if not parsing._bool(body, "stream"):
         with _grammar_errors(body, None, native=True):
             choice = (await collect(st.client, st.metrics, jobs, request, rid))[0]
-        return JSONResponse(_native_result(choice.text, choice.ids, choice, want))
+        return JSONResponse(_native_result(choice.text, choice.ids, choice, shape))
     with _grammar_errors(body, None, native=True):
         first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs, rid))
 
@@ -753,7 +846,7 @@ async def _native(
             async with contextlib.aclosing(with_first(first, events)) as all_events:
                 async for event in all_events:
                     acc.add(event)
-                    yield f"data: {json.dumps(_native_result(acc.text, acc.ids, acc, want))}\n\n"
+                    yield f"data: {json.dumps(_native_result(acc.text, acc.ids, acc, shape))}\n\n"
         except Exception as exc:  # noqa: BLE001 - reported in-band
             yield f"data: {json.dumps(as_api_error(exc).body())}\n\ndata: [DONE]\n\n"
             return
@@ -764,9 +857,30 @@ async def _native(
     )
 
 
-def _native_result(text: str, ids: list[int], c: Choice, want: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _NativeLogprobs:
+    """What ``/generate``'s ``meta_info`` holds of logprobs: the output's (``want``), the
+    prompt's too (``prompt``), with each token's text (``text``) or ``null``."""
+
+    want: bool
+    prompt: bool
+    text: Callable[[int], str] | None
+
+
+def _native_result(text: str, ids: list[int], c: Choice, shape: _NativeLogprobs) -> dict[str, Any]:
     meta = dict(c.meta)
-    if want:
-        meta["output_token_logprobs"] = c.logprobs
-        meta["output_top_logprobs"] = c.top_logprobs
+    if shape.want:
+        name = shape.text
+
+        def triples(pairs: list[list[Any]] | None) -> list[list[Any]] | None:
+            """SGLang's ``[logprob, token_id, text or null]`` entries."""
+            if pairs is None:
+                return None
+            return [[lp, tok, name(int(tok)) if name else None] for lp, tok, *_ in pairs]
+
+        meta["output_token_logprobs"] = triples(c.logprobs)
+        meta["output_top_logprobs"] = [triples(step) for step in c.top_logprobs]
+        if shape.prompt:
+            meta["input_token_logprobs"] = triples(c.input_logprobs)
+            meta["input_top_logprobs"] = [triples(step) for step in c.input_top_logprobs]
     return {"text": text, "output_ids": list(ids), "meta_info": meta}

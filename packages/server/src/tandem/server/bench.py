@@ -71,7 +71,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     if parser is None:
         parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
-    parser.add_argument("--model-path", help="checkpoint folder (default: the embedded model)")
+    parser.add_argument(
+        "--model-path",
+        help="model folder, GGUF file, Hugging Face id, or tandem-tiny (the tiny test "
+        "model); default: the default model, as `tandem serve`'s",
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
     add_workload_arguments(parser)
@@ -535,8 +539,6 @@ def run(
 ) -> int:
     from tandem.scheduler import Engine
 
-    if args.model_path and not (Path(args.model_path) / "config.json").exists():
-        parser.error(f"argument --model-path: no config.json in {args.model_path}")
     if args.num_prompts < 1:
         parser.error("argument --num-prompts: must be at least 1")
     if args.repeats < 1:
@@ -553,6 +555,9 @@ def run(
         parser.error("argument --compare-speculative: needs --speculative-algorithm")
     if args.compare_speculative and args.compare_overlap:
         parser.error("argument --compare-speculative: not with --compare-overlap")
+    from tandem.server.cli import resolve_models
+
+    args.model_path = resolve_models(parser, {"model_path": args.model_path})["model_path"]
 
     options: dict[str, Any] = {
         "model_path": args.model_path,

@@ -81,20 +81,33 @@ async def _models(client: Any, base_url: str) -> list[dict[str, Any]]:
     return list((await _get_json(client, f"{base_url}/v1/models")).get("data") or [])
 
 
-async def _tandem_tokenizer(client: Any, base_url: str) -> Any:
-    """The served checkpoint's tokenizer when it is readable here, else the default model's."""
+async def _tandem_tokenizer(client: Any, base_url: str, model: str) -> Any:
+    """The served model's tokenizer: from its folder when the server shows it (to a
+    caller with its API key) and it is readable here; else from the served name
+    ``model`` resolved as ``tandem serve --model-path`` resolves it (``default``: the
+    default model, fetched once if need be; ``tandem-tiny``, a folder, a Hub id); None
+    when the name is none of these (``--served-model-name``)."""
     from tokenizers import Tokenizer
 
     try:
         info = await _get_json(client, f"{base_url}/get_server_info")
-        path = Path(str(info.get("model_path"))) / "tokenizer.json"
-        if path.is_file():
+        folder = info.get("tokenizer_path") or info.get("model_path")
+        path = Path(str(folder)) / "tokenizer.json"
+        if folder and path.is_file():
             return Tokenizer.from_file(str(path))
-    except Exception:  # noqa: BLE001 - fall back to the embedded default model
+    except Exception:  # noqa: BLE001 - resolve the served name instead
         pass
-    from tandem.scheduler.default_model import default_model_path
+    from tandem.scheduler.models.source import resolve_model, resolve_tokenizer
 
-    return Tokenizer.from_file(str(default_model_path() / "tokenizer.json"))
+    try:
+        if model == "default":  # tandem serve's name for its default model
+            folder = resolve_model(None)
+        else:
+            folder = resolve_tokenizer(model, Path(model))
+    except (ValueError, OSError, RuntimeError):
+        return None
+    path = folder / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
 def load_tokenizer(path: str) -> Any:
@@ -310,7 +323,7 @@ async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         if args.tokenizer_path:
             tokenizer = load_tokenizer(args.tokenizer_path)
         elif entry.get("owned_by") == "tandem":
-            tokenizer = await _tandem_tokenizer(client, base)
+            tokenizer = await _tandem_tokenizer(client, base, model)
         context = int(entry.get("max_model_len") or 1 << 62)
         try:
             if tokenizer is None:

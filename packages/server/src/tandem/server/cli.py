@@ -59,6 +59,8 @@ def _base_type(hint: Any) -> type:
 # Engine options with no meaning behind the server: its API process tokenizes and
 # detokenizes, and the scheduler process checks stop strings with its own tokenizer.
 OFFLINE_ONLY = frozenset({"skip_tokenizer_init"})
+# Other names a flag answers to: vLLM's, where they differ from SGLang's.
+ALIASES = {"tokenizer_path": ("--tokenizer",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -69,23 +71,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         if f.name in OFFLINE_ONLY:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()))
         base = _base_type(hints[f.name])
         help_text = docs.get(f.name, f.name).replace("%", "%%")
         from_env = f.metadata.get("from_env", False)  # left out unless given
         if base is bool:
             if from_env:
                 group.add_argument(
-                    flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                    *flags, dest=f.name, action=argparse.BooleanOptionalAction,
                     default=argparse.SUPPRESS, help=help_text,
                 )  # fmt: skip
             else:
-                group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+                group.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
             continue
         if not from_env:
             help_text += f" (default: {f.default})"
         group.add_argument(
-            flag, dest=f.name, type=base, metavar=f.name.upper(),
+            *flags, dest=f.name, type=base, metavar=f.name.upper(),
             default=argparse.SUPPRESS if from_env else f.default,
             choices=_CHOICES.get(f.name), help=help_text,
         )  # fmt: skip
@@ -149,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
             "bench",
             help="offline, in-process benchmark (`tandem bench serve`: against a live server)",
             description="Offline, in-process benchmark of the engine. "
-            "`tandem bench serve --help`: the load generator against a live server.",
+            "`tandem bench serve --help`: the load generator against a live server; "
+            "`tandem bench perplexity --help`: a model's perplexity over a text file.",
         )
     )
     return parser
@@ -172,29 +175,38 @@ def _check(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> None:
         name = next((n for n in kwargs if re.match(rf"^{n}\b", message)), None)
         flag = "--" + name.replace("_", "-") if name else "an option"
         parser.error(f"argument {flag}: {message}")
-    if kwargs.get("model_path"):
-        from pathlib import Path
 
-        if not (Path(kwargs["model_path"]) / "config.json").exists():
-            parser.error(f"argument --model-path: no config.json in {kwargs['model_path']}")
+
+def resolve_models(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``model_path`` and ``tokenizer_path`` as the local folders they
+    name (``tandem.scheduler.models.source``: the default model, ``tandem-tiny``, a
+    folder, a GGUF file, a Hugging Face id), fetched or downloaded here, once, before
+    any engine process starts. A path that resolves to nothing exits (status 2) with a
+    message naming the flag; a default model that cannot be fetched, with its error."""
+    from tandem.scheduler.models.fetch import FetchError
+    from tandem.scheduler.models.source import resolve_model, resolve_tokenizer
+
+    try:
+        model = resolve_model(kwargs.get("model_path"))
+    except FetchError as exc:  # the default model: no flag to blame
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
+    except (ValueError, OSError) as exc:
+        parser.error(f"argument --model-path: {exc}")
+    tokenizer = None
+    if kwargs.get("tokenizer_path"):
+        try:
+            tokenizer = str(resolve_tokenizer(kwargs["tokenizer_path"], model))
+        except (ValueError, OSError) as exc:
+            parser.error(f"argument --tokenizer-path: {exc}")
+    return {**kwargs, "model_path": str(model), "tokenizer_path": tokenizer}
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from tandem.server.app import check_disaggregation, create_app, started
+    from tandem.server.app import check_disaggregation, create_app, served_name, started
     from tandem.server.http_server import CLOSE_GRACE_S, TandemServer
 
     kwargs = engine_kwargs(args)
     _check(parser, kwargs)
-    engine_config = EngineConfig.from_options(kwargs)
-    if engine_config.tp_size > 1:
-        from tandem.scheduler.distributed import check_ranks, start_node
-
-        try:
-            check_ranks(engine_config)
-        except ValueError as exc:
-            parser.error(f"argument --tp-size: {exc}")
-        if engine_config.node_rank > 0:  # this machine runs ranks only; node 0 serves
-            return start_node(engine_config)
     config = server_config(args)
     try:
         config.validate()
@@ -205,6 +217,22 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         check_disaggregation(kwargs, config)
     except ValueError as exc:
         parser.error(f"argument --dp-size: {exc}")
+    # The name clients see is the model as given (SGLang's rule), not the folder it
+    # resolves to.
+    config = dataclasses.replace(
+        config, served_model_name=served_name(kwargs, config.served_model_name)
+    )
+    kwargs = resolve_models(parser, kwargs)
+    engine_config = EngineConfig.from_options(kwargs)
+    if engine_config.tp_size > 1:
+        from tandem.scheduler.distributed import check_ranks, start_node
+
+        try:
+            check_ranks(engine_config)
+        except ValueError as exc:
+            parser.error(f"argument --tp-size: {exc}")
+        if engine_config.node_rank > 0:  # this machine runs ranks only; node 0 serves
+            return start_node(engine_config)
     app = create_app(kwargs, config)
     uv_config = uvicorn.Config(
         app,
@@ -232,6 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tandem.server import bench_serve
 
         return bench_serve.main(argv[2:])
+    if argv[:2] == ["bench", "perplexity"]:
+        from tandem.server import perplexity
+
+        return perplexity.main(argv[2:])
     if argv and argv[0] == "generate":
         from tandem.scheduler import cli as offline
 

@@ -43,6 +43,11 @@ class Event:
     logprobs: list[list[Any]]
     top_logprobs: list[list[list[Any]]]
     meta: dict[str, Any]
+    # The prompt's logprobs (``[logprob, id]`` pairs from ``logprob_start_len`` on, the
+    # first prompt token's logprob None) and top alternatives (None at the first), on
+    # the choice's first event when it asked for them.
+    input_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[Any]] | None] | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -63,12 +68,17 @@ class Choice:
     top_logprobs: list[list[list[Any]]] = field(default_factory=list)
     finish_reason: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    input_logprobs: list[list[Any]] = field(default_factory=list)
+    input_top_logprobs: list[list[list[Any]] | None] = field(default_factory=list)
 
     def add(self, event: Event) -> None:
         self.text += event.text
         self.ids.extend(event.ids)
         self.logprobs.extend(event.logprobs)
         self.top_logprobs.extend(event.top_logprobs)
+        if event.input_logprobs is not None:
+            self.input_logprobs = event.input_logprobs
+            self.input_top_logprobs = event.input_top_logprobs or []
         self.meta = event.meta
         self.finish_reason = event.finish_reason
 
@@ -136,6 +146,7 @@ async def run_jobs(
             "params": job.params,
             "return_logprob": job.return_logprob,
             "top_logprobs_num": job.top_logprobs_num,
+            "logprob_start_len": job.logprob_start_len,
         }
         for job in jobs
     ]
@@ -175,6 +186,8 @@ async def run_jobs(
                         "completion_tokens": counts[position],
                         **meta,
                     },
+                    delta.get("input_logprobs"),
+                    delta.get("input_top_logprobs"),
                 )
     finally:
         metrics.inflight.dec()

@@ -212,7 +212,11 @@ COMPLETION_REQUEST: dict[str, Any] = {
                 "description": "Return logprobs with this many alternatives per token.",
             }
         ),
-        "echo": {"type": ["boolean", "null"], "enum": [False, None], "description": "Unsupported."},
+        "echo": {
+            "type": ["boolean", "null"],
+            "description": "Return the prompt before the completion: its text, and with "
+            "logprobs its tokens' logprobs (null for the first).",
+        },
     },
 }
 
@@ -327,6 +331,20 @@ GENERATE_REQUEST: dict[str, Any] = {
         "rid": _nullable(
             {"type": "string", "minLength": 1, "description": "Request id, for aborts."}
         ),
+        "logprob_start_len": _nullable(
+            {
+                "type": "integer",
+                "minimum": -1,
+                "maximum": INT_HIGH,
+                "description": "With return_logprob: the prompt position from which the "
+                "prompt's logprobs come back (input_token_logprobs); below the prompt's "
+                "length. -1 (the default): none.",
+            }
+        ),
+        "return_text_in_logprobs": {
+            "type": ["boolean", "null"],
+            "description": "Each logprob entry's third element is its token's text.",
+        },
     },
 }
 

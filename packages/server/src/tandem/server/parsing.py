@@ -57,6 +57,11 @@ class Job:
     bootstrap: dict[str, Any] | None = None
     """``{"host", "port", "room"}``: the prefill server and room pairing this job's two
     halves (``bootstrap`` below), or ``None``."""
+    logprob_start_len: int = -1
+    """With ``return_logprob``: the prompt position from which the prompt's logprobs
+    come back (SGLang's field; ``echo`` with ``logprobs`` asks for 0); -1: none."""
+    echo: str | None = None
+    """``/v1/completions``' ``echo``: the prompt's text, returned before the completion."""
 
 
 @dataclass
@@ -444,11 +449,21 @@ def expand(
     top_logprobs_num: int,
     default_max: int | None = None,
     prefix: str = "",
+    logprob_start_len: int = -1,
+    start_param: str = "logprob_start_len",
 ) -> list[Job]:
     """``n`` jobs per prompt, in OpenAI's choice order; seeded copies get seed + i, as the
-    engine does, so they differ yet reproduce."""
+    engine does, so they differ yet reproduce. ``logprob_start_len`` (named
+    ``start_param`` in errors) must be a position of every prompt; it reaches the jobs
+    only with ``return_logprob``."""
     jobs = []
     for p, ids in enumerate(prompts):
+        if logprob_start_len >= len(ids):
+            raise APIError(
+                f"{start_param} must be -1 or a prompt position, below the prompt's "
+                f"{len(ids)} tokens, got {logprob_start_len}",
+                param=start_param,
+            )
         per = dict(params)
         if "max_new_tokens" not in per:
             # Unset: as much as the context leaves (capped by the endpoint's default).
@@ -461,8 +476,16 @@ def expand(
             copy = dict(checked, n=1)
             if copy.get("seed") is not None:
                 copy["seed"] = copy["seed"] + i
-            jobs.append(Job(p * n + i, ids, copy, return_logprob, top_logprobs_num))
+            job = Job(p * n + i, ids, copy, return_logprob, top_logprobs_num)
+            job.logprob_start_len = logprob_start_len if return_logprob else -1
+            jobs.append(job)
     return jobs
+
+
+def logprob_start(body: Mapping[str, Any]) -> int:
+    """``/generate``'s ``logprob_start_len``: -1 (the default; ``null`` too) for no prompt
+    logprobs, or a prompt position (``expand`` checks it against the prompt)."""
+    return int(int_in(body, "logprob_start_len", -1, INT_HIGH, -1))
 
 
 # -- prefill/decode disaggregation -------------------------------------------------------------

@@ -12,7 +12,8 @@ from typing import Any
 import msgpack
 
 # API -> scheduler
-# jobs: [{rid, input_ids, params, return_logprob, top_logprobs_num, bootstrap?}], all or none;
+# jobs: [{rid, input_ids, params, return_logprob, top_logprobs_num, logprob_start_len,
+#         bootstrap?}], all or none;
 # bootstrap: {host, port, room} (prefill/decode disaggregation), absent when not given
 ADD = "add"
 ABORT = "abort"  # rids

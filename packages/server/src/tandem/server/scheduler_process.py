@@ -125,6 +125,7 @@ def _add(engine: Any, msg: dict[str, Any], outbox: StepSender, push: zmq.Socket[
             outbox=outbox,
             return_logprob=[bool(job.get("return_logprob")) for job in jobs],
             top_logprobs_num=[int(job.get("top_logprobs_num") or 0) for job in jobs],
+            logprob_start_len=[_start(job.get("logprob_start_len")) for job in jobs],
             bootstrap=[_bootstrap(job.get("bootstrap")) for job in jobs],
         )
     except ValueError as exc:
@@ -134,6 +135,11 @@ def _add(engine: Any, msg: dict[str, Any], outbox: StepSender, push: zmq.Socket[
         log.error("refused %d requests: %s", len(rids), exc)
         reply = {"type": protocol.ERROR, "rids": rids, "message": "the engine stopped"}
         push.send(protocol.encode({**reply, "invalid": False}))
+
+
+def _start(value: Any) -> int:
+    """A job's ``logprob_start_len`` (checked by the API process); absent is -1."""
+    return -1 if value is None else int(value)
 
 
 def _bootstrap(fields: dict[str, Any] | None) -> Bootstrap | None:

@@ -391,11 +391,12 @@ def _grouped_decode(
     Returns ``[B, H * D]``."""
     b, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
-    if kernel and keys.dtype == torch.bfloat16 and not cpu_kernel.bf16_kernels():
-        # No bfloat16 kernel in this build (no AVX512-BF16): the float32 kernel over the
-        # operands widened (exactly), its output rounded once. At 64 requests of 160
-        # keys on two AVX2 cores, 1.5 ms a layer against 15.2 for the two bfloat16
-        # products, which torch's CPU computes without oneDNN there.
+    bf16_path = cpu_kernel.bf16_kernels() and _kernel_fits(q, keys, values)
+    if kernel and keys.dtype == torch.bfloat16 and not bf16_path:
+        # No bfloat16 kernel in this build (no AVX512-BF16), or heads its bfloat16 path
+        # does not take: the float32 kernel over the operands widened (exactly), its
+        # output rounded once. At 64 requests of 160 keys on two AVX2 cores, 1.5 ms a
+        # layer against 15.2 for the two bfloat16 products.
         wide = (x.float() for x in (q, keys, values, mask))
         out = torch.ops.tandem.decode_attention(*wide, scale)
         return out.to(q.dtype)

