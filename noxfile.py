@@ -41,6 +41,8 @@ TEST_DEPS = (
     "hypothesis>=6.100",
     "hatchling>=1.21",
     "transformers>=4.56",
+    # transformers reads a GGUF file (the real default model's reference) with it.
+    "accelerate>=1.0",
     # Trains the SentencePiece model that GGUF SentencePiece tokenizers are checked against.
     "sentencepiece>=0.2",
     "openai>=1.40",

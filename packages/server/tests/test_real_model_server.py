@@ -134,3 +134,26 @@ def test_a_forced_tool_call_is_valid_and_sensible(client: openai.OpenAI) -> None
     assert calls[0].function.name == "get_weather"
     arguments = json.loads(calls[0].function.arguments)
     assert "Paris" in arguments["city"]
+
+
+def test_a_tool_result_sent_back_is_answered(client: openai.OpenAI) -> None:
+    """The assistant's turn of calls alone (no content) goes back through a template
+    that joins ``content`` as a string."""
+    model = client.models.list().data[0].id
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "user", "content": "What is the weather like in Paris today?"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees Celsius."},
+        ],
+        tools=[WEATHER_TOOL],
+        temperature=0,
+        max_tokens=48,
+    )
+    assert reply.choices[0].message.content

