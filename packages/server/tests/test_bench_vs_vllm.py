@@ -127,6 +127,7 @@ def _figures(throughput: float) -> dict[str, Any]:
         "duration_s": 2.0,
         "total_input_tokens": 16 * 96,
         "total_output_tokens": 16 * 128,
+        "output_lens": [128] * 16,
         "request_throughput": 8.0,
         "output_throughput": throughput,
     }
@@ -146,6 +147,7 @@ def _record() -> dict[str, Any]:
         input_len=96,
         output_len=128,
         repeats=1,
+        workload="random",
     )
     engines = {
         "tandem": {"command": ["python", "-m", "tandem.server.cli", "serve"], "env": {}},
@@ -224,8 +226,8 @@ def test_every_round_sends_new_prompts_and_both_engines_the_same(
 
     monkeypatch.setattr(bench_tool, "bench_serve", bench_serve)
     args = argparse.Namespace(
-        concurrency=[1, 8], repeats=3, num_prompts=None, output_len=128, tag="t",
-        work_dir=tmp_path,
+        concurrency=[1, 8], repeats=3, num_prompts=None, input_len=96, output_len=128,
+        tag="t", work_dir=tmp_path,
     )  # fmt: skip
     servers = {
         name: (bench_tool.Server(name, ["true"], {}, Path(name)), "url")
@@ -327,7 +329,7 @@ def test_docs_hook_renders_the_file(hook: ModuleType, tmp_path: Path) -> None:
     assert "python tools/bench_vllm_cpu.py --model 10m --concurrency 1 8" in table
     assert "VLLM_CPU_KVCACHE_SPACE=1 '<vllm venv>/bin/python' -m" in table
     assert "0.75 at 1, 2.00 at 8" in hook._vs_summary([result])
-    assert hook._vs_vllm_plot([result], "cpu").startswith(b"<?xml")
+    assert hook._vs_plot([result], "cpu").startswith(b"<?xml")
 
 
 def _broken(record: dict[str, Any], how: str) -> dict[str, Any]:
