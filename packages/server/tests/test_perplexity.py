@@ -106,13 +106,16 @@ def test_a_scorer_returning_the_wrong_count_is_caught() -> None:
         sliding_window_nll([1, 2, 3, 4], 4, 2, lambda chunks, starts: [[0.0]])
 
 
-def _transformers_nll(path: Path, ids: list[int], window: int, stride: int) -> tuple[float, int]:
+def _transformers_nll(
+    path: Path, ids: list[int], window: int, stride: int, **load: str
+) -> tuple[float, int]:
     """The same windows through transformers' own float32 model: each window's logits,
-    log-softmax, summed over the tokens that window scores."""
+    log-softmax, summed over the tokens that window scores. ``load``: more arguments of
+    ``from_pretrained`` (``gguf_file``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
+        path, dtype=torch.float32, attn_implementation="eager", **load
     ).eval()
     nll, count = 0.0, 0
     for w in windows(len(ids), window, stride):
@@ -163,3 +166,28 @@ def test_the_command_refuses_bad_arguments(
     err = capsys.readouterr().err
     assert "tandem bench perplexity" in err
     assert "argument --text-file: cannot read" in err
+
+
+def test_the_real_models_perplexity_equals_transformers_reading_the_same_gguf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default model (SmolLM2-135M-Instruct's Q4_1 GGUF), the command against
+    transformers dequantizing the same file: within 1e-3 relative."""
+    from tandem.scheduler.models.fetch import default_model_file
+    from tandem.scheduler.models.source import resolve_model
+    from tandem.scheduler.tokenizer import Tokenizer
+
+    gguf = default_model_file()
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT * 3, encoding="utf-8")
+    argv = [
+        "--text-file", str(text_file), "--model-path", str(gguf), "--device", "cpu",
+        "--dtype", "float32", "--window", "96", "--stride", "48", "--json",
+    ]  # fmt: skip
+    assert perplexity.main(argv) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = Tokenizer.from_pretrained(resolve_model(str(gguf))).encode(TEXT * 3)
+    assert len(ids) > 150
+    nll, count = _transformers_nll(gguf.parent, ids, 96, 48, gguf_file=gguf.name)
+    assert figures["tokens"] == count == len(ids) - 1
+    assert figures["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-3)

@@ -305,9 +305,11 @@ async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     key = args.api_key or default_api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     # No cap on connections (--max-concurrency is the cap) and no proxies from the
-    # environment (aiohttp's trust_env is off by default).
+    # environment (aiohttp's trust_env is off by default). A connection per request: a
+    # kept-alive one that the server has closed meanwhile (llama-server does) fails the
+    # next request written to it.
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
         timeout=aiohttp.ClientTimeout(total=args.timeout),
         headers=headers,
     ) as client:
