@@ -333,13 +333,17 @@ def test_the_llama_binary_is_recorded_without_its_path(tmp_path: Path) -> None:
     command = [str(bin_dir / "llama-server"), "--model", str(tmp_path / "m.gguf"), "-c", "8"]
     shown = bench_tool.portable(command, tmp_path / "m.gguf", tmp_path / "venv", bin_dir)
     assert shown == ["<llama.cpp bin>/llama-server", "--model", "<checkpoint m.gguf>", "-c", "8"]
-    # The script's own command line: no path of this machine either.
-    argv = ["--llama-bin-dir", str(bin_dir), f"--llama-dir={tmp_path}/x", "--output-json",
+    # The script's own command line: no path of this machine either. (A made-up folder
+    # outside the repository: the test's own tmp_path may lie inside it, under .nox.)
+    outside = Path(ROOT.anchor) / f"not-{ROOT.name}-{tmp_path.name}"
+    argv = ["--llama-bin-dir", str(outside / "bin"), f"--llama-dir={outside}/x", "--output-json",
             str(ROOT / "benchmarks" / "results" / "cpu" / "f.json")]  # fmt: skip
     assert bench_tool._recorded_command(argv) == (
         "python tools/bench_vllm_cpu.py --llama-bin-dir '<.../bin>' '--llama-dir=<.../x>' "
         "--output-json benchmarks/results/cpu/f.json"
     )
+    inside = ["--llama-bin-dir", str(ROOT / "build" / "bin")]
+    assert bench_tool._recorded_command(inside).endswith("--llama-bin-dir build/bin")
 
 
 # -- tools/perplexity_vs_llamacpp.py -------------------------------------------------------------
