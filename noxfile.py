@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -139,6 +140,18 @@ def _gpu_tests(session: nox.Session, *, want_hip: bool, backend: str) -> None:
     session.run("python", "-m", "pytest", *session.posargs, env=env)
 
 
+def _ensure_libibverbs(session: nox.Session) -> None:
+    """Mooncake's transfer engine (a test dependency: disaggregation) loads libibverbs
+    even for its TCP transport; Debian's package brings it, installed here when missing
+    so that the test command needs nothing set up before it."""
+    probe = "ldconfig -p | grep -q libibverbs.so.1"
+    if subprocess.run(["sh", "-c", probe], check=False).returncode == 0:
+        return
+    apt = "apt-get install -y -q libibverbs1"
+    install = f"{apt} || (apt-get update -q && {apt})"
+    session.run("sh", "-c", install, external=True)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """CPU test suite of all four packages, debug invariants on (the default session).
@@ -146,6 +159,7 @@ def tests(session: nox.Session) -> None:
     One pytest-xdist worker per core (``-n auto``); ``nox -s tests -- -n 0`` runs it in
     one process.
     """
+    _ensure_libibverbs(session)
     _install_cpu_stack(session, *TEST_DEPS)
     session.run("pytest", "-n", "auto", *session.posargs, env=DEBUG_ENV)
 

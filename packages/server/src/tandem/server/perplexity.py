@@ -1,15 +1,8 @@
 """``tandem bench perplexity``: a model's perplexity over a text file, by sliding window.
 
-The text is tokenized once and scored in windows of ``--window`` tokens that start
-``--stride`` tokens apart, each one forward of the in-process ``Engine`` that returns
-its prompt logprobs (``logprob_start_len``), following Hugging Face's "Perplexity of
-fixed-length models": each window scores only the tokens the previous one did not (the
-first window all but its first token), with what comes before them in the window as
-context, so every token after the first is scored exactly once. The perplexity is
-``exp`` of the mean negative log-likelihood over the scored tokens.
-
-``windows`` and ``sliding_window_nll`` are the pure part (any scorer: the engine here,
-transformers in a test). See docs/guides/benchmarking.md.
+Hugging Face's "Perplexity of fixed-length models" method: each window scores the tokens
+the previous one did not, with the rest of the window as context. ``windows`` and
+``sliding_window_nll`` are the pure part (any scorer); docs/guides/benchmarking.md.
 """
 
 from __future__ import annotations

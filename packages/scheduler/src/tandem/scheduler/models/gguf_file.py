@@ -1,18 +1,9 @@
 """GGUF files (llama.cpp's format) as tandem model folders.
 
-A GGUF file holds the config, the tokenizer and the (often quantized) weights in one
-file. ``gguf_folder`` gives it a Hugging Face-style sidecar folder in tandem's cache
-(``config.json``, ``generation_config.json``, the tokenizer files and ``gguf.json``, which
-points back at the file and lists its tensors), so everything that reads a model folder
-works unchanged; ``weights.load_model`` sees ``gguf.json`` and reads the weights from
-the file itself, dequantizing them with the ``gguf`` library (llama.cpp's reader, as
-vLLM, SGLang and transformers use). Only the ``llama`` architecture is taken (Llama 2/3,
-Mistral-style models, SmolLM, ...): it is the one whose tensors fit tandem's model
-without a per-family mapping.
-
-The tensor list is kept in ``gguf.json`` because the library's reader parses every
-metadata value into its own array: seconds for a 49k-token vocabulary, paid once when
-the folder is made instead of on every start.
+``gguf_folder`` gives a GGUF file a Hugging Face-style folder in tandem's cache (config,
+tokenizer, and ``gguf.json`` pointing back at the file with its tensor table, so the
+slow metadata parse is paid once), and ``weights.load_model`` reads the weights from the
+file, dequantized with the ``gguf`` library. Only the ``llama`` architecture is taken.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The tokenizer inside a GGUF file, written out as a Hugging Face tokenizer folder.
 
-A GGUF has no tokenizer.json: llama.cpp's converter stores the vocabulary as metadata
-(``tokenizer.ggml.*``, ``tokenizer.chat_template``). ``write_gguf_tokenizer(reader,
-folder)`` rebuilds from it the tokenizer llama.cpp runs (its llama-vocab.cpp is the
-reference) as ``tokenizer.json`` plus ``tokenizer_config.json``, so that
-``Tokenizer.from_pretrained(folder)`` loads it like any checkpoint's, and returns a
-``GGUFTokenizerInfo`` with the special ids a model config needs.
-
-Two kinds (``tokenizer.ggml.model``) are supported: ``gpt2``, byte-level BPE split as
-``tokenizer.ggml.pre`` says, and ``llama``, SentencePiece BPE with byte fallback whose
-merges are rebuilt from the pieces' scores. Any other kind, or a file without a
-tokenizer, is a ``ValueError`` that points at ``--tokenizer FOLDER``.
+``write_gguf_tokenizer(reader, folder)`` rebuilds the tokenizer llama.cpp runs from the
+file's ``tokenizer.ggml.*`` metadata (``gpt2`` byte-level BPE split per
+``tokenizer.ggml.pre``, or ``llama`` SentencePiece with byte fallback) as
+``tokenizer.json`` and ``tokenizer_config.json``; any other kind is a ``ValueError``.
 """
 
 from __future__ import annotations

