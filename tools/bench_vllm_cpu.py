@@ -17,8 +17,9 @@ The recipe, start to end:
 2. The model: ``--model 10m`` or ``100m`` is a Llama-shaped folder that
    ``tools/bench_checkpoint.py`` builds into tandem's cache, once (tandem and vLLM);
    ``--model smollm2`` is tandem's default model, SmolLM2-135M-Instruct as a Q4_1 GGUF
-   file, fetched once (tandem and llama.cpp: tandem dequantizes it to ``--dtype``,
-   llama.cpp computes on the Q4_1 weights as stored).
+   file, fetched once: tandem dequantizes it to ``--dtype``, llama.cpp computes on the
+   Q4_1 weights as stored, and vLLM (which reads no GGUF file on a CPU) loads a
+   safetensors copy of the same values in ``--dtype``, exported once into the cache.
 3. Every engine of ``--engines`` gets its server on a free loopback port, all of them up
    at once (idle, both together take about 1 % of the machine's CPU time), each waited
    for on ``/health`` (at most ``--startup-timeout`` seconds; on failure the error shows
@@ -94,6 +95,8 @@ MODELS = (*bench_checkpoint.SIZES, GGUF_MODEL)
 # The engines that load each kind of model: vLLM a Hugging Face folder (the synthetic
 # checkpoints), llama.cpp a GGUF file. --engines defaults to these.
 MODEL_ENGINES = {"folder": ("tandem", "vllm"), "gguf": ("tandem", "llamacpp")}
+# Engines that load a Hugging Face folder; with a GGUF model they get its safetensors copy.
+FOLDER_ENGINES = ("tandem", "vllm")
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
 
@@ -163,28 +166,50 @@ class Checkpoint:
             ``--tokenizer-path``): the folder itself, or the GGUF file's tandem folder.
         name: the served model name.
         info: the results file's ``model`` section.
+        folder: a Hugging Face folder of the same weights, for engines that read no GGUF
+            file (``path`` itself when it is a folder).
     """
 
     path: Path
     tokenizer: Path
     name: str
     info: dict[str, Any] = field(default_factory=dict)
+    folder: Path | None = None
+
+    def for_engine(self, engine: str) -> Path:
+        if engine == "vllm":
+            if self.folder is None:
+                raise Failure(f"no safetensors copy of {self.path} was made for vLLM")
+            return self.folder
+        return self.path
 
 
-def checkpoint_for(model: str, cache_dir: Path | None) -> Checkpoint:
-    """``--model``'s checkpoint, built or fetched into tandem's cache once."""
+def checkpoint_for(
+    model: str, cache_dir: Path | None, dtype: str = "float32", safetensors: bool = False
+) -> Checkpoint:
+    """``--model``'s checkpoint, built or fetched into tandem's cache once; with
+    ``safetensors``, a GGUF model's safetensors copy in ``dtype`` too."""
     if model == GGUF_MODEL:
+        import torch
+
         from tandem.scheduler.default_model import cache_root
         from tandem.scheduler.models.fetch import default_model_file
+        from tandem.scheduler.models.gguf_file import export_safetensors
         from tandem.scheduler.models.source import resolve_model
 
+        root = cache_root(cache_dir)
         file = default_model_file(cache_dir)
-        folder = resolve_model(str(file), root=cache_root(cache_dir))
+        folder = resolve_model(str(file), root=root)
         info = {"name": model, "checkpoint": file.name, **gguf_summary(file)}
         config = json.loads((folder / "config.json").read_text())
         info.update({k: config[k] for k in bench_checkpoint.SIZES["10m"] if k in config})
         served = file.name.removesuffix(".gguf").replace(".", "-")
-        return Checkpoint(file, folder, served, info)
+        copy = None
+        if safetensors:
+            target = root / "gguf-safetensors" / f"{folder.name}-{dtype}"
+            copy = export_safetensors(file, target, root, getattr(torch, dtype))
+            info["vllm_checkpoint"] = f"safetensors copy in {dtype}"
+        return Checkpoint(file, folder, served, info, copy)
     path = bench_checkpoint.checkpoint_path(model, cache_dir)
     name = bench_checkpoint.checkpoint_name(model)
     info = {
@@ -817,11 +842,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.workload = "text" if kind == "gguf" else "random"
     if len(set(args.engines)) != len(args.engines):
         parser.error("argument --engines: an engine is named twice")
-    if "vllm" in args.engines and kind == "gguf":
-        parser.error(
-            f"argument --engines: vLLM does not serve the GGUF file of --model {args.model} "
-            "(a safetensors copy of it is not made yet): use tandem and llamacpp"
-        )
     if "llamacpp" in args.engines and kind == "folder":
         parser.error(
             f"argument --engines: llama.cpp serves GGUF files, --model {args.model} is a "
@@ -851,7 +871,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         versions["llamacpp"] = llama.source
     try:
-        checkpoint = checkpoint_for(args.model, args.cache_dir)
+        checkpoint = checkpoint_for(
+            args.model, args.cache_dir, args.dtype, "vllm" in args.engines and kind == "gguf"
+        )
     except (RuntimeError, ValueError, OSError) as exc:
         log(f"FAILED: the model {args.model}: {exc}")
         return 1
@@ -862,7 +884,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for engine in args.engines:
             port = _free_port()  # after the previous server bound its own
             url = f"http://{HOST}:{port}"
-            path, name = checkpoint.path, checkpoint.name
+            path, name = checkpoint.for_engine(engine), checkpoint.name
             if engine == "tandem":
                 server = tandem_server(args, path, port, name)
             elif engine == "llamacpp":
@@ -887,7 +909,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llama_bin = None if llama is None else llama.bin_dir
     engines: dict[str, Any] = {
         engine: {
-            "command": portable(server.command, checkpoint.path, venv, llama_bin),
+            "command": portable(server.command, checkpoint.for_engine(engine), venv, llama_bin),
             "env": server.env,
             "startup_s": round(server.startup_s, 1),
         }

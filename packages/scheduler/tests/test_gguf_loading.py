@@ -692,3 +692,27 @@ def test_bad_files_are_refused_before_anything_is_written(
 
     bare = write_gguf(tmp_path / "bare.gguf", tiny["untied"], tokenizer=False)
     _assert_refused(bare, root, "has no tokenizer")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_safetensors_copy_holds_the_original_weights_and_transformers_reads_it(
+    tmp_path: Path, tiny: dict[str, Path], tied: bool
+) -> None:
+    """An F32 file's copy is the checkpoint it was made from, tensor for tensor (q/k in
+    Hugging Face's order again, no lm_head when tied); transformers loads the copy and
+    gives the same logits as from the original checkpoint."""
+    checkpoint = tiny["tied" if tied else "untied"]
+    file = write_gguf(tmp_path / f"{checkpoint.name}.gguf", checkpoint)
+    copy = gguf_file.export_safetensors(file, tmp_path / "copy", tmp_path / "cache", torch.float32)
+    assert gguf_file.export_safetensors(file, copy, tmp_path / "cache", torch.float32) == copy
+    exported = load_file(str(copy / "model.safetensors"))
+    original = load_file(str(checkpoint / "model.safetensors"))
+    assert set(exported) == set(original) - ({"lm_head.weight"} if tied else set())
+    for name, value in exported.items():
+        assert torch.equal(value, original[name]), name
+    assert not (copy / GGUF_JSON).exists()
+    ids = torch.tensor([[1, 5, 9, 30, 2]])
+    ours = AutoModelForCausalLM.from_pretrained(copy, torch_dtype=torch.float32).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)

@@ -244,7 +244,6 @@ def test_every_request_must_be_of_the_workloads_length() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--model", "smollm2", "--engines", "tandem", "vllm"], "vLLM does not serve the GGUF"),
         (["--model", "10m", "--engines", "llamacpp"], "llama.cpp serves GGUF files"),
         (["--model", "smollm2", "--engines", "tandem", "tandem"], "named twice"),
     ],
@@ -255,6 +254,16 @@ def test_engines_that_cannot_load_the_model_are_refused(
     with pytest.raises(SystemExit):
         bench_tool.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_vllm_gets_the_safetensors_copy_of_a_gguf_model(tmp_path: Path) -> None:
+    """vLLM reads no GGUF file: it is given the copy; tandem and llama.cpp the file."""
+    file, copy = tmp_path / "m.gguf", tmp_path / "m-float32"
+    checkpoint = bench_tool.Checkpoint(file, tmp_path, "m", {}, copy)
+    assert checkpoint.for_engine("vllm") == copy
+    assert checkpoint.for_engine("tandem") == checkpoint.for_engine("llamacpp") == file
+    with pytest.raises(bench_tool.Failure, match="no safetensors copy"):
+        bench_tool.Checkpoint(file, tmp_path, "m").for_engine("vllm")
 
 
 def _figures(throughput: float) -> dict[str, Any]:

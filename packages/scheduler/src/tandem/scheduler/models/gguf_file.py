@@ -168,13 +168,7 @@ def gguf_folder(gguf_file: Path, root: Path) -> Path:
     stat = resolved.stat()
     target = _sidecar_path(resolved, stat, root)
     marker = f"gguf {target.name}\n"
-
-    def complete(folder: Path) -> bool:
-        try:
-            return (folder / _MARKER).read_text(encoding="utf-8") == marker
-        except OSError:
-            return False
-
+    complete = functools.partial(_has_marker, text=marker)
     if complete(target):
         return target
     reader = open_reader(resolved)
@@ -203,6 +197,14 @@ def gguf_folder(gguf_file: Path, root: Path) -> Path:
         (staging / _MARKER).write_text(marker, encoding="utf-8")
 
     return build_once(target, write, complete)
+
+
+def _has_marker(folder: Path, text: str) -> bool:
+    """Whether ``folder`` holds a finished build whose marker reads ``text``."""
+    try:
+        return (folder / _MARKER).read_text(encoding="utf-8") == text
+    except OSError:
+        return False
 
 
 def open_reader(file: Path) -> GGUFReader:
@@ -551,3 +553,44 @@ def _copy_tensor(
         if permuted:
             part = unpermute_heads(part, config.head_dim)
         param[first - start : last - start, :width].copy_(torch.from_numpy(part[:, columns]))
+
+
+# Files of the sidecar folder a Hugging Face folder of the same model carries too.
+_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def export_safetensors(gguf_file: Path, target: Path, root: Path, dtype: torch.dtype) -> Path:
+    """A Hugging Face folder of ``gguf_file``'s model at ``target``: its sidecar folder's
+    config and tokenizer, and ``model.safetensors`` with every weight dequantized to
+    ``dtype`` under Hugging Face's names, q/k back in Hugging Face's row order. Engines
+    that read only safetensors (vLLM's CPU build, transformers without ``gguf``) load
+    it; tied embeddings stay tied (no ``lm_head`` written). Built aside and renamed
+    into place like the sidecar; an existing complete ``target`` is kept."""
+    from safetensors.torch import save_file
+
+    folder = gguf_folder(gguf_file, root)
+    source = GGUFSource.read(folder)
+    head_dim = json.loads((folder / "config.json").read_text(encoding="utf-8"))["head_dim"]
+    marker = f"export {folder.name} {dtype}\n"
+
+    def write(staging: Path) -> None:
+        data = source.open()
+        weights = {}
+        for gguf_name, tensor in source.tensors.items():
+            name = hf_name(gguf_name)
+            if name is None:
+                continue
+            rows = 1 if len(tensor.shape) == 1 else tensor.shape[0]
+            values = dequantize_rows(data, tensor, 0, rows)
+            if is_permuted(gguf_name):
+                values = unpermute_heads(values, head_dim)
+            weights[name] = torch.from_numpy(values).to(dtype).contiguous()
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        for name in _HF_FILES:
+            (staging / name).write_bytes((folder / name).read_bytes())
+        write_json(staging / "config.json", config)
+        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / _MARKER).write_text(marker, encoding="utf-8")
+
+    return build_once(target, write, functools.partial(_has_marker, text=marker))
