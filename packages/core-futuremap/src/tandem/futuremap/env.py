@@ -76,7 +76,8 @@ class TandemEnv:
             runs its kernels in the interpreter (on a CPU too). Triton reads it when it
             is imported, so it is a fact of the process rather than an engine option.
         api_key: ``TANDEM_API_KEY``; the default of ``tandem serve --api-key`` (``None``
-            when unset or empty), so a key need not appear in a process listing.
+            when unset; set but empty stays ``""``, which ``tandem serve`` refuses rather
+            than serve without a key), so a key need not appear in a process listing.
     """
 
     debug_futures: bool = False
@@ -118,7 +119,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> TandemEnv:
         cache_dir=Path(cache_raw).expanduser() if cache_raw else None,
         xdg_cache_home=Path(xdg_raw) if xdg_raw else None,
         triton_interpret=env.get("TRITON_INTERPRET") == "1",
-        api_key=env.get("TANDEM_API_KEY") or None,
+        api_key=env.get("TANDEM_API_KEY"),
     )
 
 

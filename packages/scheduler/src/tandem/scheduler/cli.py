@@ -64,9 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for prompt in prompts:
                 print(f"--- {prompt!r}")
                 if args.chat:
-                    # The rendered template carries its own special tokens (BOS included).
-                    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                    ids = tokenizer.encode(text, add_special_tokens=False)
+                    # The template's special tokens (BOS included); the prompt is text.
+                    messages = [{"role": "user", "content": prompt}]
+                    ids = tokenizer.encode_pieces(tokenizer.chat_pieces(messages))
                 else:
                     ids = tokenizer.encode(prompt) if prompt else []
                 if args.no_stream:

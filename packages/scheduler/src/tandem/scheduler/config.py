@@ -23,6 +23,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 COMPILE_CHECKS: tuple[str, ...] = typing.get_args(CompileChecks)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "torch")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 MAX_ADMISSION_WINDOW_MS = 1000
 
 
@@ -103,6 +104,12 @@ class EngineConfig:
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
             the ``torch`` backend's decode stage, without speculative decoding).
+        grammar_backend: what constrains structured output (SGLang's option):
+            ``xgrammar``, or ``none`` to refuse every constrained request.
+        max_stop_strings: the most stop strings one request may carry; more is refused
+            naming this limit (all of a request's strings are matched as one automaton,
+            built once per request, so this bounds that cost).
+        max_stop_string_length: the longest stop string, in characters.
         skip_tokenizer_init: keep no tokenizer (SGLang's option): prompts must be
             ``input_ids``, results carry ``output_ids`` with empty ``text``, and stop
             strings are refused. The scheduler thread then never detokenizes, which a
@@ -182,6 +189,9 @@ class EngineConfig:
     disable_cpu_decode_kernel: bool = False
     disable_cpu_fused_ops: bool = False
     disable_decode_trace: bool = False
+    grammar_backend: str = "xgrammar"
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 1024
     skip_tokenizer_init: bool = False
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -231,7 +241,15 @@ class EngineConfig:
                 f"schedule_policy={self.schedule_policy!r} is not one of "
                 f"{', '.join(SCHEDULE_POLICIES)}"
             )
-        _positive(self, "page_size", "max_running_requests", "max_prefill_tokens")
+        _positive(
+            self, "page_size", "max_running_requests", "max_prefill_tokens", "max_stop_strings",
+            "max_stop_string_length",
+        )  # fmt: skip
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"grammar_backend={self.grammar_backend!r} is not one of "
+                f"{', '.join(GRAMMAR_BACKENDS)}"
+            )
         _positive_or_none(
             self, "context_length", "max_total_tokens", "cuda_graph_max_bs", "cpu_forward_threads"
         )

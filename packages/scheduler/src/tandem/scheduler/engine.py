@@ -22,6 +22,7 @@ from tandem.scheduler.disagg.protocol import Bootstrap
 from tandem.scheduler.distributed import RankGroup, start_rank_zero
 from tandem.scheduler.engine_loop import EngineLoop
 from tandem.scheduler.intake import InputIds, Intake, ParamsArg, Prompt
+from tandem.scheduler.stop import StopLimits
 from tandem.scheduler.streams import (
     Chunk,
     ChunkStream,
@@ -92,10 +93,15 @@ class Engine:
             disaggregation_mode=self.config.disaggregation_mode,
             grammars=None if no_grammar else lambda: self._grammar_backend,
             no_grammar=no_grammar,
+            stop_limits=StopLimits(
+                self.config.max_stop_strings, self.config.max_stop_string_length
+            ),
         )
 
     def _no_grammar(self) -> str:
         """Why constrained output cannot be served, or ``""`` when it can."""
+        if self.config.grammar_backend == "none":
+            return "constrained output is off on this server (grammar_backend is none)"
         if not (self._tokenizer_dir / "tokenizer.json").exists():
             return "constrained output needs the model's tokenizer (tokenizer.json)"
         if self.config.speculative and self.config.tp_size > 1:

@@ -273,12 +273,13 @@ class GrammarBackend:
     def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         vocab = self._loaded()
         if kind == "structural_tag":
-            tag = _structural_tag(text)
+            tag = _json_without_raw_controls(_structural_tag(text))
             compile_tag = vocab.tag_compiler().compile_structural_tag
             return _xgrammar_call(kind, "invalid structural tag", compile_tag, tag)
         compiler = vocab.compiler
         if kind == "json_schema":
             _parse_schema(text)
+            text = _json_without_raw_controls(text)
             spaces = self._json_max_whitespace
             compile_schema = functools.partial(
                 compiler.compile_json_schema,
@@ -465,6 +466,49 @@ def _parse_schema(text: str) -> None:
         raise ValueError(
             f"json_schema: a schema is a JSON object or boolean, got {type(schema).__name__}"
         )
+
+
+# What a JSON string's characters may be, unescaped: no quote, backslash or control.
+_PLAIN_CHARACTER = r'[^"\\\x00-\x1f]'
+_LENGTH_ONLY = frozenset({"type", "minLength", "maxLength", "title", "description", "default"})
+
+
+def _json_without_raw_controls(text: str) -> str:
+    """``text`` (a schema, or a structural tag holding schemas) with every string schema
+    bounded only by ``minLength``/``maxLength`` turned into the same bounds on a
+    pattern of plain characters. xgrammar (0.2.8 and 0.2.9) compiles such strings to a
+    character class that admits raw control characters, which no JSON string may hold;
+    its patterns exclude them. Like xgrammar's own bounded strings, these take no
+    escape sequences."""
+    value = json.loads(text)
+    changed = _bound_strings(value)
+    return json.dumps(value) if changed else text
+
+
+def _bound_strings(value: Any) -> bool:
+    """Rewrite in place; whether anything changed."""
+    changed = False
+    if isinstance(value, dict):
+        low, high = value.get("minLength", 0), value.get("maxLength")
+        if (
+            value.get("type") == "string"
+            and ("minLength" in value or "maxLength" in value)
+            and set(value) <= _LENGTH_ONLY
+            and isinstance(low, int)
+            and (high is None or isinstance(high, int))
+        ):
+            del value["type"]
+            value.pop("minLength", None)
+            value.pop("maxLength", None)
+            bounds = f"{low}," if high is None else f"{low},{high}"
+            value.update(type="string", pattern=f"^{_PLAIN_CHARACTER}{{{bounds}}}$")
+            return True
+        for item in value.values():
+            changed = _bound_strings(item) or changed
+    elif isinstance(value, list):
+        for item in value:
+            changed = _bound_strings(item) or changed
+    return changed
 
 
 def _structural_tag(text: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.scheduler.detokenizer import IncrementalDetokenizer
@@ -19,7 +19,7 @@ from tandem.scheduler.disagg.protocol import Bootstrap
 from tandem.scheduler.request import Request
 from tandem.scheduler.sampling import SamplingParams
 from tandem.scheduler.speculative import SpeculativeWorker
-from tandem.scheduler.stop import StopChecker
+from tandem.scheduler.stop import StopChecker, StopLimits
 from tandem.scheduler.tokenizer import Tokenizer
 
 Prompt = str | Sequence[str] | None
@@ -60,6 +60,7 @@ class Intake:
     """The engine's ``grammar.GrammarBackend`` (built on first use), or None when
     constrained output is refused, for the reason ``no_grammar``."""
     no_grammar: str = ""
+    stop_limits: StopLimits = field(default_factory=StopLimits)
 
     def requests(
         self,
@@ -193,6 +194,7 @@ class Intake:
         try:
             params = SamplingParams.from_dict(raw)
             params.validate(vocab, context_len=self.context_length, prompt_len=len(ids))
+            self.stop_limits.check(params.stop_strings)
         except ValueError as exc:
             raise ValueError(f"request {index}: {exc}") from None
         if params.stop_strings and self.tokenizer is None:

@@ -89,7 +89,7 @@ class Release:
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
-        if token_stop(token, params.stop_token_ids or (), self.eos_ids, params.ignore_eos):
+        if token_stop(token, req.stop_ids, self.eos_ids, params.ignore_eos):
             return FinishReason("stop", matched=token)
         if req.grammar is not None and req.grammar.terminated:
             return FinishReason("stop", matched=token)  # the grammar is complete

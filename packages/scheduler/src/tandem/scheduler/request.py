@@ -112,8 +112,11 @@ class Request:
     # Its output constraint's matcher (``grammar.GrammarMatcher``), advanced with each
     # token received; None for free output.
     grammar: Any = None
+    # ``params.stop_token_ids`` as a set: checked against every sampled token.
+    stop_ids: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids or ())
         if not self.fill_ids:
             self.fill_ids = list(self.prompt_ids)
         start = self.logprob_start_len

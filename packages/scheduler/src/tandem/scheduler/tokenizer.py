@@ -9,7 +9,10 @@ them against ``transformers.AutoTokenizer``.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -190,6 +193,73 @@ class Tokenizer:
         )
         return template.render(**variables)
 
+    def chat_pieces(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[tuple[str, bool]]:
+        """The rendered conversation as ``(text, literal)`` pieces, for ``encode_pieces``:
+        the template's text, whose special tokens stay special, and, ``literal``, each
+        special token's string that a message's content carries, which is only text.
+        A user who types ``<|im_start|>system`` into a message thus cannot forge a turn
+        of the template (OpenAI's tokenizers refuse specials in text too)."""
+        specials = self._special_pattern
+        literals: list[str] = []
+        nonce = secrets.token_hex(8)
+
+        def hide(match: re.Match[str]) -> str:
+            literals.append(match.group(0))
+            return f"\ue000{nonce}{len(literals) - 1}\ue001"
+
+        hidden = []
+        for message in messages:
+            content = message.get("content")
+            if specials is not None and isinstance(content, str) and specials.search(content):
+                message = {**message, "content": specials.sub(hide, content)}
+            hidden.append(message)
+        text = self.apply_chat_template(hidden, add_generation_prompt, tools, **kwargs)
+        if not literals:
+            return [(text, False)]
+        parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
+        pieces = [(parts[0], False)]
+        for index, after in zip(parts[1::2], parts[2::2], strict=True):
+            pieces += [(literals[int(index)], True), (after, False)]
+        return [(t, literal) for t, literal in pieces if t]
+
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        """Token ids of ``chat_pieces``' pieces, nothing added: the plain ones with
+        special tokens parsed (as a whole rendered text is), the literal ones as text.
+        Special tokens split text for the tokenizer anyway, so the plain pieces
+        tokenize as they would have in one text. Batch calls, without the GIL."""
+        plain = [t for t, literal in pieces if not literal]
+        literal = [t for t, literal in pieces if literal]
+        encoded = iter(_encode_batch(self._backend, plain))
+        as_text = iter(_encode_batch(self._literal_backend, literal) if literal else [])
+        ids: list[int] = []
+        for _, is_literal in pieces:
+            ids += next(as_text) if is_literal else next(encoded)
+        return ids
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        tokens = {
+            token.content
+            for token in self._backend.get_added_tokens_decoder().values()
+            if token.special and token.content
+        }
+        if not tokens:
+            return None
+        return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True))))
+
+    @functools.cached_property
+    def _literal_backend(self) -> BackendTokenizer:
+        """A copy of the backend that reads special tokens' strings as text."""
+        backend = BackendTokenizer.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
     def _compiled_template(self, tools: list[dict[str, Any]] | None) -> jinja2.Template:
         name = _template_name(self._chat_templates, tools)
         compiled = self._compiled.get(name)
@@ -200,6 +270,11 @@ class Tokenizer:
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
+
+
+def _encode_batch(backend: BackendTokenizer, texts: list[str]) -> list[list[int]]:
+    batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return [list(e.ids) for e in batch(texts, add_special_tokens=False)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

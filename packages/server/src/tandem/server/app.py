@@ -14,7 +14,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.scheduler.gc_freeze import freeze_long_lived
+from tandem.scheduler.stop import StopLimits
 from tandem.scheduler.tokenizer import Tokenizer
 from tandem.server import gateway, openapi_schemas, parsing, prepare, structured, tool_calls
 from tandem.server.config import ServerConfig
@@ -102,6 +103,21 @@ def started(app: FastAPI, url: str) -> str:
     return ready_line(app, url)
 
 
+async def _unless_stopped(start: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Run ``start`` unless ``stop`` is set first (then it is cancelled): whether it ran."""
+    task = asyncio.ensure_future(start)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False
+    task.result()  # its error, if it failed
+    return True
+
+
 def check_disaggregation(engine_kwargs: dict[str, Any], config: ServerConfig) -> str:
     """The server's ``disaggregation_mode``; a ``ValueError`` naming ``dp_size`` when
     replicas are asked of a prefill or decode server."""
@@ -136,18 +152,28 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     @contextlib.asynccontextmanager
     async def lifespan(instance: FastAPI) -> AsyncIterator[None]:
         try:
-            await client.start()
+            started = await _unless_stopped(client.start(), lifecycle.stop_starting)
         except BaseException:
             await client.close()
             raise
+        if not started:  # Ctrl-C or SIGTERM while the engine loaded: stop, quietly
+            await client.close()
+            yield
+            return
         info = client.info
         tokenizer = client.tokenizer
         metrics = Metrics(lambda: client.info, lambda: client.alive)
         client.finished_listeners.append(metrics.on_finished)
         limits = Limits(
-            int(info["vocab_size"]), int(info["context_length"]), prepare.max_token_chars(tokenizer)
+            int(info["vocab_size"]),
+            int(info["context_length"]),
+            prepare.max_token_chars(tokenizer),
+            StopLimits(
+                int(info.get("max_stop_strings", StopLimits.max_count)),
+                int(info.get("max_stop_string_length", StopLimits.max_length)),
+            ),
         )
-        preparer = Preparer(config.tokenizer_workers)
+        preparer = Preparer(config.tokenizer_workers, config.prepare_queue_size)
         tool_format, why = tool_format_of(config, tokenizer, info)
         log.info("tool calls are parsed as %s (%s)", tool_format, why)
         holder["state"] = ServerState(
@@ -402,11 +428,16 @@ def _chat_prompt(
     if st.tokenizer is None or st.tokenizer.chat_template is None:
         raise APIError("this model has no chat template", param="messages")
     try:
-        text = st.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tools=tools)
+        if st.config.special_tokens_in_content:
+            text = st.tokenizer.apply_chat_template(clean, tools=tools)
+            pieces = [(text, False)]
+        else:
+            pieces = st.tokenizer.chat_pieces(clean, tools=tools)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
         raise APIError(f"the chat template failed: {exc}", param="messages") from None
+    parsing.check_text_length("".join(text for text, _ in pieces), st.limits, "messages")
     # The rendered template carries its own special tokens (BOS included).
-    ids = _encode(st, [text], ["messages"], special=False)[0]
+    ids = st.tokenizer.encode_pieces(pieces)
     parsing.check_ids(ids, st.limits, "messages")
     return ids
 
@@ -758,15 +789,25 @@ def _tool_deltas(st: ServerState, e: Event, stream: tool_calls.CallStream) -> li
     if e.finish_reason is not None:
         pieces += stream.finish()
     deltas: list[dict[str, Any]] = []
-    seen = stream.calls - sum(isinstance(p, tool_calls.ToolCall) for p in pieces)
+    # The call in progress before these pieces (-1: none yet).
+    index = stream.calls - sum(isinstance(p, tool_calls.CallHead) for p in pieces) - 1
+    args: dict[str, str] | None = None  # the last arguments delta, which a part extends
     for piece in pieces:
         if isinstance(piece, str):
             deltas.append({"content": piece})
-            continue
-        head = {"index": seen, "id": piece.id, "type": "function"}
-        deltas.append({"tool_calls": [{**head, "function": {"name": piece.name, "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": seen, "function": {"arguments": piece.arguments}}]})
-        seen += 1
+            args = None
+        elif isinstance(piece, tool_calls.CallHead):
+            index += 1
+            head = {"index": index, "id": piece.id, "type": "function"}
+            deltas.append(
+                {"tool_calls": [{**head, "function": {"name": piece.name, "arguments": ""}}]}
+            )
+            args = None
+        elif args is not None:
+            args["arguments"] += piece.text
+        else:
+            args = {"arguments": piece.text}
+            deltas.append({"tool_calls": [{"index": index, "function": args}]})
     if not deltas:
         if e.finish_reason is None and not e.logprobs:
             return []  # text held back: it may open a call

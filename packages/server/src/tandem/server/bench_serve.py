@@ -6,12 +6,18 @@ sampling, a fixed ``max_tokens`` and ``ignore_eos``, at Poisson arrivals
 (``--request-rate``) under an optional ``--max-concurrency`` cap, and reports the
 figures of SGLang's ``bench_serving``: throughput, TTFT, ITL, TPOT and end-to-end
 latency. See docs/guides/benchmarking.md, "Against a server".
+
+``--fairness`` runs the workload twice, alone and then beside one heavy request (the
+most and longest stop strings and the most top logprobs the server allows), and reports
+how much the plain streams' TPOT grows: one client's parameters should never slow the
+others.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -67,6 +73,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--seed", type=int, default=1, help="workload and arrival seed")
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, s")
     parser.add_argument("--output-json", help="write the figures to this file")
+    parser.add_argument(
+        "--fairness",
+        action="store_true",
+        help="run the workload alone, then beside one heavy request; report the ratio of "
+        "the plain streams' median TPOT beside it to alone",
+    )
+    parser.add_argument(
+        "--heavy-stop-strings",
+        type=int,
+        help="the heavy request's stop strings (default: the server's limit, from "
+        "/get_server_info, else 4, OpenAI's)",
+    )
+    parser.add_argument(
+        "--heavy-stop-length",
+        type=int,
+        help="characters of each (default: the server's limit, else 64)",
+    )
     return parser
 
 
@@ -234,6 +257,93 @@ async def run_benchmark(
     return list(outputs), time.perf_counter() - start
 
 
+# -- fairness -------------------------------------------------------------------------------------
+HEAVY_TOP_LOGPROBS = 20  # OpenAI's most
+
+
+async def heavy_body(
+    args: argparse.Namespace, client: Any, base_url: str, model: str, context: int
+) -> dict[str, Any]:
+    """One request as heavy as the server's limits allow: its stop strings (never
+    matched: each is a number and then ``~``s), the most top logprobs, and enough
+    tokens to outlast the plain streams (it is cancelled when they end)."""
+    count, length = args.heavy_stop_strings, args.heavy_stop_length
+    if count is None or length is None:
+        try:
+            info = await _get_json(client, f"{base_url}/get_server_info")
+        except Exception:  # noqa: BLE001 - not a tandem server: OpenAI's bounds
+            info = {}
+        count = count or int(info.get("max_stop_strings") or 4)
+        length = length or int(info.get("max_stop_string_length") or 64)
+    stops = [f"{i:06d}".ljust(length, "~")[:length] for i in range(count)]
+    return {
+        "model": model,
+        "prompt": "Once upon a time",
+        "max_tokens": max(1, min(context - 64, 1 << 20)),
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stop": stops,
+        "logprobs": HEAVY_TOP_LOGPROBS,
+    }
+
+
+async def hold_heavy(client: Any, url: str, body: dict[str, Any], running: asyncio.Event) -> str:
+    """Stream ``body`` until cancelled; ``running`` is set at its first token. Returns
+    why it ended by itself (an error, or that it finished before the plain streams)."""
+    try:
+        async with client.post(url, json=body) as response:
+            if response.status != 200:
+                return f"HTTP {response.status}: {(await response.read())[:300]!r}"
+            async for raw in response.content:
+                if raw.startswith(b"data:") and not running.is_set():
+                    running.set()
+        return "the heavy request ended before the plain streams did"
+    finally:
+        running.set()
+
+
+async def run_fairness(
+    args: argparse.Namespace,
+    client: Any,
+    model: str,
+    prompts: list[Any],
+    work: bench.Workload,
+    context: int,
+) -> dict[str, Any]:
+    """The workload alone, then beside the heavy request; the plain streams' figures
+    of both runs and the ratio of their median TPOTs."""
+    base = args.base_url.rstrip("/")
+    warm = prompts[: args.max_concurrency or len(prompts)]  # a first batch, not measured
+    await run_benchmark(args, client, model, warm, work)
+    alone = calculate_metrics(*await run_benchmark(args, client, model, prompts, work))
+    body = await heavy_body(args, client, base, model, context)
+    running = asyncio.Event()
+    heavy = asyncio.create_task(hold_heavy(client, base + ENDPOINTS["completions"], body, running))
+    await running.wait()
+    if heavy.done():
+        raise RuntimeError(f"the heavy request failed: {heavy.result()}")
+    beside = calculate_metrics(*await run_benchmark(args, client, model, prompts, work))
+    if heavy.done():
+        raise RuntimeError(f"the heavy request did not last: {heavy.result()}")
+    heavy.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await heavy
+    ratio = None
+    if alone["median_tpot_ms"] and beside["median_tpot_ms"] is not None:
+        ratio = beside["median_tpot_ms"] / alone["median_tpot_ms"]
+    return {
+        "alone": alone,
+        "beside": beside,
+        "heavy": {
+            "stop_strings": len(body["stop"]),
+            "stop_string_length": len(body["stop"][0]),
+            "top_logprobs": body["logprobs"],
+        },
+        "tpot_ratio": ratio,
+    }
+
+
 # -- metrics --------------------------------------------------------------------------------------
 def _stats(name: str, values: Sequence[float]) -> dict[str, float | None]:
     stats = bench._percentiles(values)
@@ -349,8 +459,14 @@ async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
             f"max concurrency {args.max_concurrency or '-'}",
             file=sys.stderr,
         )
-        outputs, duration = await run_benchmark(args, client, model, prompts, work)
-    result = calculate_metrics(outputs, duration)
+        if args.fairness:
+            try:
+                fairness = await run_fairness(args, client, model, prompts, work, context)
+            except RuntimeError as exc:
+                parser.exit(1, f"tandem bench serve: error: {exc}\n")
+            result = {**fairness["beside"], "fairness": fairness}
+        else:
+            result = calculate_metrics(*await run_benchmark(args, client, model, prompts, work))
     result.update(
         backend=args.backend,
         endpoint=args.endpoint,
@@ -373,15 +489,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("argument --request-rate: must be positive (or inf)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error("argument --max-concurrency: must be at least 1")
+    for name in ("heavy_stop_strings", "heavy_stop_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be at least 1")
     if args.workload == "sharegpt" and not args.dataset_path:
         parser.error("argument --dataset-path: required by --workload sharegpt")
     result = asyncio.run(_main(args, parser))
-    print(format_report(result))
+    if "fairness" in result:
+        fair = result["fairness"]
+        print("Alone\n" + format_report(fair["alone"]))
+        print("\nBeside one heavy request " + json.dumps(fair["heavy"]))
+        print(format_report(fair["beside"]))
+        ratio = fair["tpot_ratio"]
+        print(f"{'Median TPOT beside / alone':<40s}{'-' if ratio is None else f'{ratio:.2f}':>12s}")
+    else:
+        print(format_report(result))
     if args.output_json:
         out = {k: (None if v == float("inf") else v) for k, v in result.items()}
         out["request_rate"] = "inf" if args.request_rate == float("inf") else args.request_rate
         Path(args.output_json).write_text(json.dumps(out, indent=2) + "\n")
-    return 0 if result["failed"] == 0 else 1
+    failed = result["failed"] + result.get("fairness", {}).get("alone", {}).get("failed", 0)
+    return 0 if failed == 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import re
+import socket
 import sys
 import types
 import typing
@@ -22,6 +23,7 @@ import uvicorn
 
 from tandem.scheduler import config as engine_config
 from tandem.scheduler.config import EngineConfig
+from tandem.server import sglang_flags
 from tandem.server.config import ServerConfig, default_api_key
 
 _CHOICES = {
@@ -31,6 +33,7 @@ _CHOICES = {
     "compile_checks": engine_config.COMPILE_CHECKS,
     "disaggregation_mode": engine_config.DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": engine_config.TRANSFER_BACKENDS,
+    "grammar_backend": engine_config.GRAMMAR_BACKENDS,
 }
 
 
@@ -59,8 +62,8 @@ def _base_type(hint: Any) -> type:
 # Engine options with no meaning behind the server: its API process tokenizes and
 # detokenizes, and the scheduler process checks stop strings with its own tokenizer.
 OFFLINE_ONLY = frozenset({"skip_tokenizer_init"})
-# Other names a flag answers to: vLLM's, where they differ from SGLang's.
-ALIASES = {"tokenizer_path": ("--tokenizer",)}
+# Other names a flag answers to: SGLang's short ones, and vLLM's where they differ.
+ALIASES = {"tokenizer_path": ("--tokenizer",), **sglang_flags.ALIASES}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -99,14 +102,14 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(ServerConfig)
     group = parser.add_argument_group("server options")
     for f in dataclasses.fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()))
         help_text = docs.get(f.name, f.name).replace("%", "%%")
         hint = hints[f.name]
         if hint is bool:
-            group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            group.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
         elif typing.get_origin(hint) is tuple:
             group.add_argument(
-                flag, dest=f.name, nargs="*", default=list(f.default), metavar="VALUE",
+                *flags, dest=f.name, nargs="*", default=list(f.default), metavar="VALUE",
                 help=help_text,
             )  # fmt: skip
         else:
@@ -114,7 +117,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
             if f.name != "api_key" and default is not None:
                 help_text += f" (default: {default})"
             group.add_argument(
-                flag, dest=f.name, type=_base_type(hint), default=default,
+                *flags, dest=f.name, type=_base_type(hint), default=default,
                 metavar=f.name.upper(), help=help_text,
             )  # fmt: skip
 
@@ -139,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="warning", choices=("debug", "info", "warning", "error")
     )
     add_engine_flags(serve)
+    sglang_flags.add_foreign_flags(serve)
     sub.add_parser(
         "generate",
         help="one-off offline generation (see `tandem generate --help`)",
@@ -201,6 +205,16 @@ def resolve_models(parser: argparse.ArgumentParser, kwargs: dict[str, Any]) -> d
     return {**kwargs, "model_path": str(model), "tokenizer_path": tokenizer}
 
 
+def check_port(host: str, port: int) -> None:
+    """An OSError when ``host:port`` cannot be listened on (in use, or no such
+    address), found before the model loads rather than after. The probe socket sets
+    ``SO_REUSEADDR`` as uvicorn's does, so a port in TIME_WAIT still passes."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host.strip("[]"), port))
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from tandem.server.app import check_disaggregation, create_app, served_name, started
     from tandem.server.http_server import CLOSE_GRACE_S, TandemServer
@@ -208,6 +222,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     kwargs = engine_kwargs(args)
     _check(parser, kwargs)
     config = server_config(args)
+    if config.api_key == "":
+        parser.error(
+            "argument --api-key: the API key is empty (TANDEM_API_KEY set to nothing?): "
+            "give a key, or unset TANDEM_API_KEY to serve without one"
+        )
     try:
         config.validate()
     except ValueError as exc:
@@ -222,6 +241,18 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = dataclasses.replace(
         config, served_model_name=served_name(kwargs, config.served_model_name)
     )
+    try:
+        check_port(config.host, config.port)
+    except OSError as exc:
+        why = (exc.strerror or str(exc)).lower()
+        parser.error(f"argument --port: cannot listen on {config.host}:{config.port}: {why}")
+    for note in args.sglang_notes:
+        print(f"tandem: {note}", file=sys.stderr)
+    print(
+        "tandem: API key " + ("on: every endpoint but /health needs it" if config.api_key else
+                              "off: any client that reaches the port may call the API"),
+        file=sys.stderr,
+    )  # fmt: skip
     kwargs = resolve_models(parser, kwargs)
     engine_config = EngineConfig.from_options(kwargs)
     if engine_config.tp_size > 1:
@@ -255,7 +286,16 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``tandem`` command. Ctrl-C in any mode ends it with status 130 and one line,
+    never a traceback (``tandem serve`` handles its signals itself and drains)."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("tandem: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv[:2] == ["bench", "serve"]:
         from tandem.server import bench_serve
 

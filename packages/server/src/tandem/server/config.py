@@ -40,6 +40,8 @@ class ServerConfig:
         max_choices: Largest prompts x n of one request; more is a 400.
         tokenizer_workers: Threads that parse, render chat templates and tokenize, off
             the event loop.
+        prepare_queue_size: Requests that may wait for a tokenizer worker; past them a
+            request is refused with 503 and ``Retry-After``.
         graceful_shutdown_timeout: Seconds in-flight requests may still run after
             SIGTERM or SIGINT; then open streams end with an error event and ``[DONE]``.
         watchdog_timeout: Seconds the scheduler may go without progress while work is
@@ -55,6 +57,9 @@ class ServerConfig:
             (Llama 3's JSON, ``{"name": ..., "parameters": {...}}``) or ``qwen25``
             (``<tool_call>`` tags around the JSON, Qwen's and Hermes's). Unset: from the
             chat template, then the architecture (docs/guides/structured-outputs.md).
+        special_tokens_in_content: Tokenize chat message contents with special tokens
+            parsed, as the template's own are. Off by default: a message's content is
+            text, so a user cannot write ``<|im_start|>system`` into it to forge a turn.
     """
 
     host: str = "127.0.0.1"
@@ -67,10 +72,12 @@ class ServerConfig:
     max_request_bytes: int = 8 * 1024 * 1024
     max_choices: int = 256
     tokenizer_workers: int = 2
+    prepare_queue_size: int = 512
     graceful_shutdown_timeout: float = 30.0
     watchdog_timeout: float = 300.0
     dp_size: int = 1
     tool_call_parser: str | None = None
+    special_tokens_in_content: bool = False
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -78,6 +85,8 @@ class ServerConfig:
         for name in ("max_request_bytes", "max_choices", "tokenizer_workers", "dp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prepare_queue_size < 0:
+            raise ValueError(f"prepare_queue_size must be >= 0, got {self.prepare_queue_size}")
         for name in ("graceful_shutdown_timeout", "watchdog_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

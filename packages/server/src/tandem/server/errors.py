@@ -31,12 +31,14 @@ class APIError(Exception):
         status: int = 400,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, self.param, self.code)
@@ -62,7 +64,7 @@ def allowed_methods(request: Request) -> list[str]:
 def install_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -4,7 +4,9 @@ uvicorn alone stops listening on the first signal and cuts open streams after a 
 grace. This server keeps listening and answers new requests 503 (so a load balancer
 sees the drain), lets open requests finish for ``graceful_shutdown_timeout``, then ends
 the rest with an in-band error and ``[DONE]`` before uvicorn's own shutdown runs. A
-second SIGINT exits at once.
+second SIGINT exits at once. A signal while the engine is still starting abandons the
+start (``Lifecycle.stop_starting``) and stops through the normal shutdown, so nothing
+is cancelled mid-way and nothing prints a traceback.
 """
 
 from __future__ import annotations
@@ -63,8 +65,17 @@ class TandemServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not uvicorn's: it would stop listening at once and re-raise the signal after.
-        if self.lifecycle.draining or self._loop is None or not self.started:
-            if sig == signal.SIGINT or not self.started:
+        if not self.started:
+            if self.should_exit or self._loop is None:
+                self.force_exit = True
+            elif not self.lifecycle.stop_starting.is_set():
+                print("stopping: the engine's start is abandoned", file=sys.stderr, flush=True)
+                loop = self._loop
+                loop.call_soon_threadsafe(self.lifecycle.stop_starting.set)
+            self.should_exit = True
+            return
+        if self.lifecycle.draining or self._loop is None:
+            if sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
             return

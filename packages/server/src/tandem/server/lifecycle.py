@@ -4,6 +4,7 @@ object, so they cannot disagree about whether a new request is welcome."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,9 @@ class Lifecycle:
     """What ``tandem serve`` exits with (non-zero after the watchdog fired)."""
     request_exit: Callable[[], None] = field(default=lambda: None, repr=False)
     """Asks the HTTP server to stop (``tandem serve`` sets it; a no-op otherwise)."""
+    stop_starting: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set by a signal that arrives while the engine is still starting: the start is
+    abandoned and the server stops without serving."""
 
     def give_up(self, reason: str) -> None:
         """The watchdog declared the scheduler hung: refuse everything, exit non-zero."""

@@ -25,7 +25,8 @@ INT_LOW, INT_HIGH = -(9 * 10**18), 9 * 10**18  # parsing's bounds on top_k and s
 
 # A schema carrying this key gets a bound ``document`` knows once the server runs:
 # token_id: maximum vocab_size - 1; tokens: maximum context_length - 1; prompt: maxItems
-# context_length - 1; choices: maxItems max_choices. And room: maximum ROOM_MAX, set there
+# context_length - 1; stop_count and stop_length: the stop limits (maxItems, maxLength);
+# choices: maxItems max_choices. And room: maximum ROOM_MAX, set there
 # because FastAPI writes the bounds it is given as doubles, and 2**64 - 1 is none.
 _BOUND = "x-tandem-bound"
 
@@ -33,9 +34,10 @@ _NUMBER: dict[str, Any] = {"type": "number"}
 _TOKEN_ID: dict[str, Any] = {"type": "integer", "minimum": 0, _BOUND: "token_id"}
 _TOKEN_IDS: dict[str, Any] = {"type": "array", "items": _TOKEN_ID, "minItems": 1, _BOUND: "prompt"}
 _MAX_TOKENS: dict[str, Any] = {"type": "integer", "minimum": 0, _BOUND: "tokens"}
+_STOP_STRING: dict[str, Any] = {"type": "string", _BOUND: "stop_length"}
 _STOP: dict[str, Any] = {
     "description": "Stop string(s); empty strings are ignored.",
-    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+    "anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, _BOUND: "stop_count"}],
 }
 _PENALTY: dict[str, Any] = {"type": "number", "minimum": -2, "maximum": 2}
 _NULLABLE_BOOL: dict[str, Any] = {"type": ["boolean", "null"]}
@@ -584,6 +586,8 @@ def _bounds(schema: dict[str, Any], limits: Limits | None, max_choices: int) -> 
         values["token_id"] = ("maximum", limits.vocab_size - 1)
         values["tokens"] = ("maximum", limits.context_length - 1)
         values["prompt"] = ("maxItems", limits.context_length - 1)
+        values["stop_count"] = ("maxItems", limits.stop.max_count)
+        values["stop_length"] = ("maxLength", limits.stop.max_length)
     stack: list[Any] = [schema]
     while stack:
         node = stack.pop()

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.scheduler.sampling import SamplingParams
 from tandem.scheduler.sampling.params import GRAMMAR_KINDS
+from tandem.scheduler.stop import StopLimits
 from tandem.server.errors import APIError
 
 # Engine names -> the OpenAI names a client sent.
@@ -72,6 +73,7 @@ class Limits:
     vocab_size: int
     context_length: int
     max_token_chars: int = 0
+    stop: StopLimits = field(default_factory=StopLimits)
 
     @property
     def max_text_chars(self) -> int:
@@ -419,6 +421,7 @@ def validate(
     try:
         sp = SamplingParams.from_dict(params)
         sp.validate(limits.vocab_size, context_len=limits.context_length, prompt_len=prompt_len)
+        limits.stop.check(sp.stop_strings)
     except (ValueError, TypeError, OverflowError) as exc:
         message = str(exc)
         if len(message) > _MESSAGE_MAX:

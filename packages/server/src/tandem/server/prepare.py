@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tandem.scheduler.tokenizer import Tokenizer
+from tandem.server.errors import APIError
 
 T = TypeVar("T")
 
@@ -26,14 +27,29 @@ _SAMPLES = (
 
 
 class Preparer:
-    """A bounded pool: at most ``workers`` requests are prepared at once, the rest wait."""
+    """A bounded pool: at most ``workers`` requests are prepared at once, and at most
+    ``queue_size`` more wait; past that a request is refused at once (503 with
+    ``Retry-After``) rather than held in memory behind an unbounded queue."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, queue_size: int = 512) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tandem-prepare")
+        self.limit = workers + queue_size
+        self.pending = 0  # submitted and not yet done; touched on the event loop only
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.pending >= self.limit:
+            raise APIError(
+                f"the server is preparing {self.pending} requests, its limit "
+                "(--tokenizer-workers plus --prepare-queue-size); retry shortly",
+                status=503,
+                headers={"Retry-After": "1"},
+            )
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+        self.pending += 1
+        try:
+            return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+        finally:
+            self.pending -= 1
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,7 +14,12 @@ Two output formats, under SGLang's ``--tool-call-parser`` names:
 (the tags are produced too). ``auto`` leaves the text free and parses calls out of it;
 for ``qwen25`` a structural tag triggered by ``<tool_call>`` still makes each call's
 JSON match its tool. A candidate that does not parse, or names no given tool, stays text.
-See docs/guides/structured-outputs.md.
+
+A call is streamed as OpenAI streams one: its name (``CallHead``) as soon as it is
+known, then its arguments in fragments as they are generated (``ArgsPart``), where the
+output cannot turn out not to be a call after all (a qwen25 call of a given tool whose
+arguments are an object; a llama3 call the grammar forces); other calls come whole when
+they are complete. See docs/guides/structured-outputs.md.
 """
 
 from __future__ import annotations
@@ -58,6 +63,21 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class CallHead:
+    """The start of a call in a stream of pieces: its name and id."""
+
+    name: str
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+
+@dataclass(frozen=True)
+class ArgsPart:
+    """A fragment of the arguments of the call last started."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolPlan:
     """What one chat request with tools needs, from prompt to response.
 
@@ -81,7 +101,7 @@ class ToolPlan:
         """A parser for one choice's text."""
         if self.format == "qwen25":
             return QwenStream(self.names)
-        return Llama3Stream(self.names)
+        return Llama3Stream(self.names, forced=self.mode != "auto")
 
 
 # -- the request -------------------------------------------------------------------------------
@@ -272,7 +292,7 @@ def default_format(template: str | None, architecture: str | None) -> tuple[str,
 
 
 # -- the output --------------------------------------------------------------------------------
-Piece = str | ToolCall
+Piece = str | CallHead | ArgsPart
 
 
 def call_of(obj: Any, names: frozenset[str]) -> ToolCall | None:
@@ -288,7 +308,7 @@ def call_of(obj: Any, names: frozenset[str]) -> ToolCall | None:
         args = {}
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -298,7 +318,8 @@ def call_of(obj: Any, names: frozenset[str]) -> ToolCall | None:
 
 class _Out:
     """The pieces of a choice so far. Whitespace next to a call is dropped: text that
-    ends in whitespace holds it back until more text follows, and a call throws it away."""
+    ends in whitespace holds it back until more text follows, and a call throws it away.
+    A whole call is its head and its arguments in one part."""
 
     def __init__(self) -> None:
         self.pieces: list[Piece] = []
@@ -319,10 +340,18 @@ class _Out:
             self.pieces.append(body)
 
     def call(self, c: ToolCall) -> None:
+        self.head(CallHead(c.name, c.id))
+        self.args(c.arguments)
+
+    def head(self, h: CallHead) -> None:
         self.held = ""
         self.after_call = True
         self.calls += 1
-        self.pieces.append(c)
+        self.pieces.append(h)
+
+    def args(self, text: str) -> None:
+        if text:
+            self.pieces.append(ArgsPart(text))
 
     def end(self) -> None:
         if not self.calls and self.held:
@@ -342,9 +371,61 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+class _ObjectEnd:
+    """Finds where a JSON object that starts a text ends, fed piece by piece: counts
+    braces and brackets outside strings."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of ``text`` belong to the object (all, until its end)."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
+def _head(pattern: re.Pattern[str], text: str, names: frozenset[str]) -> re.Match[str] | None:
+    """The match of a call's start (up to its arguments' ``{``) naming a given tool."""
+    match = pattern.match(text)
+    if match is None:
+        return None
+    try:
+        name = json.loads(match.group("name"))
+    except ValueError:
+        return None
+    return match if name in names else None
+
+
+_NAME = r'"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")'
+_QWEN_HEAD = re.compile(r"\s*\{\s*" + _NAME + r'\s*,\s*"arguments"\s*:\s*(?=\{)')
+_LLAMA_HEAD = re.compile(
+    r"\s*(?:<\|python_tag\|>)?\s*\{\s*" + _NAME + r'\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)'
+)
+
+
 class CallStream:
-    """One choice's text in, text pieces and completed calls out, in order. ``feed`` as
-    the text arrives, ``finish`` at the end; a whole text fed at once gives the same."""
+    """One choice's text in, text pieces and calls (a head, then argument parts) out, in
+    order. ``feed`` as the text arrives, ``finish`` at the end; a whole text fed at once
+    gives the same calls."""
 
     def __init__(self, names: frozenset[str]) -> None:
         self.names = names
@@ -364,9 +445,21 @@ class CallStream:
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole text as ``content`` (``None``: only calls) and its calls."""
         pieces = self.feed(text) + self.finish()
-        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        calls = assemble(pieces)
         content = "".join(p for p in pieces if isinstance(p, str))
         return (content or None) if calls else content, calls
+
+
+def assemble(pieces: list[Piece]) -> list[ToolCall]:
+    """The calls of a stream's pieces, each with its arguments joined."""
+    calls: list[ToolCall] = []
+    for piece in pieces:
+        if isinstance(piece, CallHead):
+            calls.append(ToolCall(piece.name, "", piece.id))
+        elif isinstance(piece, ArgsPart):
+            last = calls[-1]
+            calls[-1] = ToolCall(last.name, last.arguments + piece.text, last.id)
+    return calls
 
 
 class QwenStream(CallStream):
@@ -375,6 +468,7 @@ class QwenStream(CallStream):
     def __init__(self, names: frozenset[str]) -> None:
         super().__init__(names)
         self.inside = False
+        self.args: _ObjectEnd | None = None  # the streamed call's arguments, if streaming
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
@@ -389,7 +483,16 @@ class QwenStream(CallStream):
                 self.out.text(self.buf[:at])
                 self.buf = self.buf[at + len(QWEN_OPEN) :]
                 self.inside = True
+            elif self.args is not None:
+                if not self._stream_args():
+                    break
             else:
+                head = _head(_QWEN_HEAD, self.buf, self.names)
+                if head is not None:
+                    self.out.head(CallHead(json.loads(head.group("name"))))
+                    self.buf = self.buf[head.end() :]
+                    self.args = _ObjectEnd()
+                    continue
                 at = self.buf.find(QWEN_CLOSE)
                 if at < 0:
                     break
@@ -403,17 +506,38 @@ class QwenStream(CallStream):
                     self.out.call(call)
         return self.out.take()
 
+    def _stream_args(self) -> bool:
+        """Pass the streamed call's arguments on; at their end, skip to the closing tag.
+        Whether the call is over (else more text is needed)."""
+        assert self.args is not None
+        if not self.args.done:
+            used = self.args.feed(self.buf)
+            self.out.args(self.buf[:used])
+            self.buf = self.buf[used:]
+            if not self.args.done:
+                return False
+        at = self.buf.find(QWEN_CLOSE)
+        if at < 0:
+            return False
+        self.buf = self.buf[at + len(QWEN_CLOSE) :]
+        self.inside, self.args = False, None
+        return True
+
     def finish(self) -> list[Piece]:
-        # An unclosed call (cut by max_tokens) stays text.
-        self.out.text((QWEN_OPEN if self.inside else "") + self.buf)
-        self.buf, self.inside = "", False
+        # An unclosed call (cut by max_tokens) stays text, unless it was being
+        # streamed: then it ends where the text did.
+        if self.args is None:
+            self.out.text((QWEN_OPEN if self.inside else "") + self.buf)
+        self.buf, self.inside, self.args = "", False, None
         self.out.end()
         return self.out.take()
 
 
 def _json_call(text: str, names: frozenset[str]) -> ToolCall | None:
+    # strict=False: a raw control character inside a string is read, then escaped when
+    # the arguments are written again, rather than losing the call.
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, strict=False)
     except ValueError:
         return None
     return call_of(obj, names)
@@ -423,13 +547,17 @@ class Llama3Stream(CallStream):
     """Calls where the output starts with ``{`` (after whitespace) or at ``<|python_tag|>``,
     to the end of the output: held until the end, then parsed; text when they do not parse."""
 
-    def __init__(self, names: frozenset[str]) -> None:
+    def __init__(self, names: frozenset[str], forced: bool = False) -> None:
         super().__init__(names)
-        self.state = "start"  # then "text" or "calls"
+        self.state = "start"  # then "text", "calls", or "streaming" (a forced call)
         self.tagged = False
+        self.forced = forced
+        self.args: _ObjectEnd | None = None
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
+        if self.forced and self.state in ("start", "streaming"):
+            return self._stream_forced()
         if self.state == "start":
             head = self.buf.lstrip()
             if not head or PYTHON_TAG.startswith(head):
@@ -450,7 +578,27 @@ class Llama3Stream(CallStream):
                 self.buf = self.buf[len(self.buf) - keep :]
         return self.out.take()
 
+    def _stream_forced(self) -> list[Piece]:
+        """The grammar makes the whole output one call object, name first: its name as
+        soon as it is there, then its arguments as they come."""
+        if self.args is None:
+            head = _head(_LLAMA_HEAD, self.buf, self.names)
+            if head is None:
+                return []  # not yet (or not in this form: parsed whole at the end)
+            self.out.head(CallHead(json.loads(head.group("name"))))
+            self.buf = self.buf[head.end() :]
+            self.state, self.args = "streaming", _ObjectEnd()
+        if not self.args.done:
+            used = self.args.feed(self.buf)
+            self.out.args(self.buf[:used])
+            self.buf = self.buf[used:]
+        return self.out.take()
+
     def finish(self) -> list[Piece]:
+        if self.state == "streaming":
+            self.buf, self.state, self.args = "", "start", None
+            self.out.end()
+            return self.out.take()
         if self.state == "calls" or (self.state == "start" and self.buf.lstrip()):
             region = self.buf.lstrip()
             if region.startswith(PYTHON_TAG):
@@ -474,7 +622,7 @@ _SEPARATORS = re.compile(r"[\s;]*")
 def llama3_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
     """JSON call objects separated by ``;`` or whitespace, or ``None`` unless the whole
     text is such calls."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)
     calls: list[ToolCall] = []
     pos = 0
     while True:
