@@ -30,6 +30,31 @@ print(resident() - before)
 """
 
 
+# Resident bytes a block written and freed on another thread (its own arena, as an
+# engine's forward thread has) leaves behind, before and after the setting is taken
+# again, as the next engine of the process takes it.
+_NEXT_ENGINE = """
+import os, threading
+import torch
+from tandem.scheduler.cpu_malloc import keep_freed_memory
+assert keep_freed_memory()
+page = os.sysconf("SC_PAGE_SIZE")
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+before = resident()
+def step():  # a step's activations: many blocks of a few MiB
+    blocks = [torch.ones(16 << 20, dtype=torch.uint8) for _ in range(16)]
+    del blocks
+thread = threading.Thread(target=step)
+thread.start()
+thread.join()
+kept = resident() - before
+keep_freed_memory()
+print(kept, resident() - before)
+"""
+
+
 def _retained(mode: str) -> int:
     done = subprocess.run(
         [sys.executable, "-c", _RETAINED, mode], capture_output=True, text=True, timeout=120
@@ -60,3 +85,17 @@ def test_the_cpu_engine_sets_it_unless_disabled(
         out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
     assert len(out["output_ids"]) == 2
     assert calls == ([] if disabled else [True])
+
+
+def test_the_next_engine_gives_back_what_an_earlier_one_kept() -> None:
+    """Each engine's forward thread allocates in an arena of its own: without a trim
+    when the next engine starts, every engine made in one process (a test session, a
+    notebook) would add its whole working set to the resident memory for good."""
+    done = subprocess.run(
+        [sys.executable, "-c", _NEXT_ENGINE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    kept, after = map(int, done.stdout.split())
+    mib = 1 << 20
+    assert kept > 192 * mib  # the setting kept the freed block
+    assert after < 32 * mib  # and the next engine's start gave it back

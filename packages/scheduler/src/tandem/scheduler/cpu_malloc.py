@@ -46,6 +46,12 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
+    # What an earlier engine of this process freed and the raised thresholds kept goes
+    # back to the system first: each engine's forward thread allocates in its own arena,
+    # so without this every engine created in one process (tests, notebooks) would add
+    # its whole working set to the process's resident memory.
+    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+    libc.malloc_trim(0)
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     taken = [bool(mallopt(param, value)) for param, value in settings]
     mallopt(M_TOP_PAD, TOP_PAD)
