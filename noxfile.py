@@ -222,12 +222,14 @@ def smoke(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff (lint and format check) over everything; mypy --strict on core-futuremap."""
+    """ruff (lint and format check) over everything; mypy --strict on core-futuremap; the
+    house rules on the source (short module docstrings, no timing figures)."""
     _install(session, TORCH_CPU)
     _install(session, "-c", _constraints(session), "ruff", "mypy", "-e", PACKAGE_DIRS[0])
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", "packages/core-futuremap/src/tandem")
+    session.run("python", "packages/server/tests/test_house_rules.py")
 
 
 @nox.session

@@ -1,18 +1,12 @@
 """The CPU engine's allocator setting: glibc keeps the memory a forward frees.
 
-A CPU forward allocates and frees the same large activations at every layer and step:
-a prefill chunk's products (``[2048, 4096]`` is 16 MiB in bfloat16), the decode stage
-and its temporaries. Under glibc's defaults the largest blocks come from ``mmap`` and
-go back to the kernel when freed, and the heap's free top is trimmed, so the next
-step's blocks fault their pages in again: the kernel zeroes them on the forward's
-critical path, as system time. ``keep_freed_memory`` raises glibc's mmap and trim
-thresholds (``mallopt``), so freed blocks stay in the process and are reused.
-
-Measured on a 2-core AVX-512 CPU, the ~100M benchmark model in bfloat16, 64 requests
-of 96 prompt tokens and 64 output tokens, whole process (load included), 5 paired
-runs: wall time 0.90x (median pair ratio), system time 2.2 -> 1.2 s. The cost is
-resident memory: what a step freed stays mapped (up to ``TRIM_THRESHOLD`` beyond the
-heap's use) instead of going back to the system between steps.
+A CPU forward allocates and frees the same large activations (a prefill chunk's products,
+the decode stage) at every layer and step. Under glibc's defaults the largest blocks go back
+to the kernel when freed and the heap's free top is trimmed, so the next step faults their
+pages in again, zeroed by the kernel on the forward's critical path. ``keep_freed_memory``
+raises glibc's mmap and trim thresholds (``mallopt``) so that freed blocks stay and are
+reused; the cost is resident memory, up to ``TRIM_THRESHOLD`` beyond the heap's use.
+(measurements: docs/benchmarks.md, Measurements behind the code)
 """
 
 from __future__ import annotations

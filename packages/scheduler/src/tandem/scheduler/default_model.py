@@ -1,15 +1,12 @@
 """The tiny test model, ``tandem-tiny``: a Llama-shaped checkpoint tandem builds itself.
 
-The test suite, the benchmarks and quick experiments need a model that starts in a
-second and needs no download, so tandem carries the recipe of a tiny one instead of its
-bytes: random weights from a fixed seed and a byte-level BPE tokenizer trained on a
-paragraph embedded here. Its text is gibberish by design. It is served by naming it
-(``--model-path tandem-tiny``, ``Engine(model_path="tandem-tiny")``); the default model
-is a real one (``models.source``). The result is an ordinary Hugging Face folder
-(``transformers`` loads it too), written once into the cache and reused. Every build
-writes byte-identical files, so two machines (or two racing processes) always agree on
-what the tiny model is. (Its folder and some names still say "default model": it was
-tandem's default before the real one.)
+Tests, benchmarks and quick experiments need a model that starts in a second with no
+download, so tandem carries the recipe of a tiny one instead of its bytes: random weights
+from a fixed seed and a byte-level BPE tokenizer trained on a paragraph embedded here (its
+text is gibberish by design). It is served by naming it (``--model-path tandem-tiny``); the
+default model is a real one (``models.source``). The result is an ordinary Hugging Face
+folder written once into the cache, byte-identical on every build, so two machines (or two
+racing processes) agree. Its folder still says "default model": it was tandem's default once.
 """
 
 from __future__ import annotations

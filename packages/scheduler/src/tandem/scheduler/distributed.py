@@ -1,18 +1,12 @@
 """The tensor-parallel ranks: starting them, joining them, and rank 0's channel to them.
 
-``tp_size`` ranks, one process each, join one torch.distributed group (``nccl`` on
-CUDA/ROCm, ``gloo`` on the CPU). Rank 0 is the engine's own process: it runs the
-scheduler and launches every step; the ranks it starts on its machine (and those
-``start_node`` starts on other machines) are followers (``tandem.scheduler.follower``)
-that receive each launched step and run it on their shard. Two groups keep the two
-threads that talk apart: the forward stream's all-reduces and all-gathers use the
-default group, rank 0's scheduler thread sends steps on a gloo ``control`` group, so
-their calls never interleave differently on two ranks.
-
-A rank that exits is noticed at once: by a collective (gloo and NCCL fail when a peer
-closes its connections) and by rank 0's poll of the processes it started
-(``RankGroup.failure``). A rank that hangs fails the others' next collective after
-``dist_timeout`` seconds.
+``tp_size`` ranks, one process each, join one torch.distributed group (``nccl`` on CUDA/ROCm,
+``gloo`` on the CPU). Rank 0, the engine's own process, schedules and launches every step;
+the others are followers (``tandem.scheduler.follower``) that run each step on their shard.
+Collectives use the default group, steps a gloo ``control`` group, so the forward stream's
+and the scheduler thread's calls never interleave differently on two ranks. A rank that exits
+fails the next collective and rank 0's poll (``RankGroup.failure``) at once; one that hangs
+fails the next collective after ``dist_timeout`` seconds.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """A tensor-parallel rank other than 0: runs every step rank 0 launches, on its shard.
 
-Started by rank 0 (or ``start_node`` on another machine) as ``python -m
-tandem.scheduler.follower RANK PARENT_PID`` with the engine's config on stdin. It wires
-the same parts as rank 0 from the same config (its shard of the model, pools of the same
-size, its own FutureMap) but never schedules: it receives each launched step
-(``distributed.StepRelay``), launches it on its own ``ModelRunner`` and keeps at most two
-steps in flight, as rank 0's overlap loop does. A step with grammar
-masks that rank 0 writes after launching it waits for them at sampling, here as there:
-they follow its launch as a message of their own. Every rank thus runs the same steps in
-the same order, resolves and stashes the same tokens at the same rows, and samples the
-same ids from the same gathered logits with the same seeded generators.
+Started by rank 0 (or ``start_node``) as ``python -m tandem.scheduler.follower RANK
+PARENT_PID`` with the engine's config on stdin, it wires the same parts from the same config
+(its shard of the model, pools of the same size, its own FutureMap) but never schedules: it
+receives each launched step (``distributed.StepRelay``), launches it on its own
+``ModelRunner`` and keeps at most two steps in flight, as rank 0's overlap loop does; grammar
+masks follow a step's launch as a message of their own. Every rank thus runs the same steps
+in the same order and samples the same ids from the same logits and seeded generators.
 """
 
 from __future__ import annotations

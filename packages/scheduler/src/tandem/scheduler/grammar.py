@@ -1,18 +1,12 @@
 """Constrained decoding: the grammar backend over xgrammar.
 
-A request with ``json_schema``, ``regex``, ``ebnf`` or ``structural_tag`` in its
-sampling parameters (``SamplingParams.grammar``) gets a ``GrammarMatcher``. Before each
-sampling step the matcher writes the tokens the grammar allows next into a row of a
-packed bitmask (``fill``), ``apply_bitmask`` sets every other logit to -inf, and the
-sampled token is fed back (``accept``). Once the grammar is complete only the model's
-stop tokens are allowed, and accepting one terminates the matcher.
-
-One ``GrammarBackend`` serves an engine: it holds xgrammar's view of the tokenizer (what
-bytes each token id stands for), the compilers and a cache of compiled grammars keyed by
-``(kind, text)``, since clients resend the same schema with every request.
-
-xgrammar (and, through it, ``transformers``) is imported on first use only, so engines
-that never see a grammar do not pay for the import.
+A request with ``json_schema``, ``regex``, ``ebnf`` or ``structural_tag`` in its sampling
+parameters (``SamplingParams.grammar``) gets a ``GrammarMatcher``. Before each sampling step
+the matcher writes the tokens the grammar allows next into a row of a packed bitmask
+(``fill``), ``apply_bitmask`` sets every other logit to -inf, and the sampled token is fed
+back (``accept``); once the grammar is complete only the stop tokens are allowed. One
+``GrammarBackend`` per engine caches compiled grammars by ``(kind, text)``, since clients
+resend the same schema with every request. xgrammar is imported on first use only.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Stop conditions checked on the host after each sampled token.
 
-Token-level stops (eos, ``stop_token_ids``, length) are decided from the ids; stop
-strings from the incrementally detokenized text. Streamed text is held back while it
-ends with the beginning of a stop string, so a stop string is never half-emitted and
-then trimmed.
-
-All of a request's stop strings are one automaton (``StopMatcher``), fed each new
-character once: a step costs the new text's length, however many strings there are.
-``StopLimits`` bounds their number and length, so that building the automaton stays
-cheap too.
+Token-level stops (eos, ``stop_token_ids``, length) are decided from the ids; stop strings
+from the incrementally detokenized text. Streamed text is held back while it ends with the
+beginning of a stop string, so a stop string is never half-emitted and then trimmed. All of
+a request's stop strings are one automaton (``StopMatcher``), fed each new character once: a
+step costs the new text's length, however many strings there are. ``StopLimits`` bounds their
+number and length, so that building the automaton stays cheap too.
 """
 
 from __future__ import annotations

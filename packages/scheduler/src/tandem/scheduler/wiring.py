@@ -108,11 +108,9 @@ def _on_loader_thread(build: Callable[[], EngineParts]) -> EngineParts:
     OpenMP keeps a pool of worker threads for each thread that runs a parallel op. A
     second pool beside the forward stream's (the caller's, made by loading the weights)
     makes libgomp count more threads than cores, so idle workers go to sleep at once and
-    every short op of the forward pays their wake-up. Measured on the 2-core CPU, 2
-    threads: a [64, 768] bf16 RMSNorm 40 us with one pool, 350 us with two; the ~100M
-    model decoding 64 requests (in-process, 128 tokens each) 0.83k -> 0.96k tokens/s in
-    bf16, 0.62k -> 0.68k in fp32, and one request in bf16 72 -> 99 tokens/s. Loading on
-    one thread costs start time (that model: 0.9 -> 1.3 s in bf16, 1.2 -> 2.9 s in fp32)."""
+    every short op of the forward pays their wake-up: with one pool, short ops and whole
+    decode steps are faster. Loading on one thread costs start time. (measurements:
+    docs/benchmarks.md, Measurements behind the code)"""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -300,11 +298,9 @@ def default_forward_threads(mc: ModelConfig, cores: int) -> ForwardThreads:
     so does the work of the HTTP process and the clients on the same cores), the
     forward's with its tokens times the model's weights per token: a model of at least
     ``LONG_TOKEN_WEIGHTS`` per token has only long steps, a smaller one long prefills
-    (``LONG_STEP_WEIGHTS``). Measured on a 2-core machine: at 32 requests, a ~100M
-    model's matmuls take 35 ms on two cores and 63 ms on one. A ~10M model (7M weights
-    per token) prefills 32 requests of 96 tokens in 0.21 s on two against 0.36 on one;
-    its decode step at 32 requests is 6.5 ms on two against 9.7 in process, but served
-    at 32 concurrent streams its time per output token is 12.9 ms on two against 10.0."""
+    (``LONG_STEP_WEIGHTS``). A small model's decode step is faster on every core in
+    process, but served, beside the HTTP process and the clients, it is faster on one
+    core fewer. (measurements: docs/benchmarks.md, Measurements behind the code)"""
     weights = max(1, mc.matmul_weights_per_token)
     tokens = 1 if weights >= LONG_TOKEN_WEIGHTS else -(-LONG_STEP_WEIGHTS // weights)
     return ForwardThreads(short=max(1, cores - 1), long=cores, long_from_tokens=tokens)

@@ -5,12 +5,8 @@ Builds the workload of ``tandem bench``, sends each request as a streamed
 sampling, a fixed ``max_tokens`` and ``ignore_eos``, at Poisson arrivals
 (``--request-rate``) under an optional ``--max-concurrency`` cap, and reports the
 figures of SGLang's ``bench_serving``: throughput, TTFT, ITL, TPOT and end-to-end
-latency. See docs/guides/benchmarking.md, "Against a server".
-
-``--fairness`` runs the workload twice, alone and then beside one heavy request (the
-most and longest stop strings and the most top logprobs the server allows), and reports
-how much the plain streams' TPOT grows: one client's parameters should never slow the
-others.
+latency. ``--fairness`` also checks that one heavy client does not slow the others
+(``run_fairness``). See docs/guides/benchmarking.md, "Against a server".
 """
 
 from __future__ import annotations
@@ -312,7 +308,11 @@ async def run_fairness(
     context: int,
 ) -> dict[str, Any]:
     """The workload alone, then beside the heavy request; the plain streams' figures
-    of both runs and the ratio of their median TPOTs."""
+    of both runs and the ratio of their median TPOTs.
+
+    The heavy request carries the most and longest stop strings and the most top
+    logprobs the server allows; the ratio says how much the plain streams' TPOT grows
+    beside it: one client's parameters should never slow the others."""
     base = args.base_url.rstrip("/")
     warm = prompts[: args.max_concurrency or len(prompts)]  # a first batch, not measured
     await run_benchmark(args, client, model, warm, work)

@@ -5,10 +5,9 @@ own, serve one API process. Each HTTP request goes whole (all its prompts and ch
 to the replica with the fewest open jobs; a tie goes to the lowest index. The app sees
 one client with ``SchedulerClient``'s interface.
 
-There is no partial service: once a replica dies, or its client gives up on it (hung, or
-a fatal engine error), every open request fails with a 503 naming the replica, new ones
-are refused, and the server exits non-zero (``on_hung``), as it does when its single
-scheduler hangs.
+There is no partial service: once a replica dies or its client gives up on it, every
+open request fails with a 503 naming the replica, new ones are refused, and the server
+exits non-zero (``on_hung``), as it does when its single scheduler hangs.
 """
 
 from __future__ import annotations
@@ -99,7 +98,9 @@ def aggregate_info(infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class DataParallelClient:
     """N ``SchedulerClient`` replicas behind ``SchedulerClient``'s interface.
 
-    It owns each replica's ``on_hung`` and listens to each one's finished requests.
+    It owns each replica's ``on_hung`` and listens to each one's finished requests. A
+    replica that dies, or whose client gives up on it (hung, or a fatal engine error),
+    fails the whole server (``_fail``).
     """
 
     def __init__(

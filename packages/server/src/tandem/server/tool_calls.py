@@ -1,25 +1,12 @@
 """Tool calls on /v1/chat/completions: OpenAI's ``tools`` and ``tool_choice``, the
 grammar that makes a required call happen, and the parsers that find calls in the text.
 
-Two output formats, under SGLang's ``--tool-call-parser`` names:
-
-- ``llama3``: Llama 3.1-3.3's JSON, ``{"name": ..., "parameters": {...}}`` (also
-  ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``.
-  A call is recognised only where the output starts with one (or at the tag).
-- ``qwen25``: Qwen 2.5/3's (and Hermes's) tags around JSON,
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, anywhere in the text.
-
-``tool_choice`` ``required`` and a named function are enforced by a grammar: for
-``llama3`` the JSON schema of the call object, for ``qwen25`` xgrammar's structural tag
-(the tags are produced too). ``auto`` leaves the text free and parses calls out of it;
-for ``qwen25`` a structural tag triggered by ``<tool_call>`` still makes each call's
-JSON match its tool. A candidate that does not parse, or names no given tool, stays text.
-
-A call is streamed as OpenAI streams one: its name (``CallHead``) as soon as it is
-known, then its arguments in fragments as they are generated (``ArgsPart``), where the
-output cannot turn out not to be a call after all (a qwen25 call of a given tool whose
-arguments are an object; a llama3 call the grammar forces); other calls come whole when
-they are complete. See docs/guides/structured-outputs.md.
+Two output formats, under SGLang's ``--tool-call-parser`` names: ``llama3`` (Llama
+3.1-3.3's JSON) and ``qwen25`` (Qwen 2.5/3's and Hermes's ``<tool_call>`` tags).
+``required`` and a named function are enforced by a grammar; ``auto`` leaves the text
+free and parses calls out of it. A candidate that does not parse, or names no given
+tool, stays text. Calls stream as OpenAI streams them (``CallStream``). See
+docs/guides/structured-outputs.md.
 """
 
 from __future__ import annotations
@@ -33,6 +20,12 @@ from typing import Any
 
 from tandem.server.errors import APIError
 
+# The output formats, under SGLang's ``--tool-call-parser`` names:
+# - ``llama3``: Llama 3.1-3.3's JSON, ``{"name": ..., "parameters": {...}}`` (also
+#   ``"arguments"``), optionally after ``<|python_tag|>``, several separated by ``;``.
+#   A call is recognised only where the output starts with one (or at the tag).
+# - ``qwen25``: Qwen 2.5/3's (and Hermes's) tags around JSON,
+#   ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``, anywhere in the text.
 FORMATS = ("llama3", "qwen25")
 TOOL_CHOICES = ("none", "auto", "required")
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
@@ -229,7 +222,12 @@ def chosen_tools(tools: list[Tool], mode: str, name: str | None) -> list[Tool] |
 def grammar(
     fmt: str, tools: list[Tool], mode: str, name: str | None, parallel: bool
 ) -> dict[str, str]:
-    """The sampling params that enforce the tool choice ``mode`` (``name``) in ``fmt``."""
+    """The sampling params that enforce the tool choice ``mode`` (``name``) in ``fmt``.
+
+    ``required`` and a named function: for ``llama3`` the JSON schema of the call object,
+    for ``qwen25`` xgrammar's structural tag (the tags are produced too). ``auto`` leaves
+    the text free; for ``qwen25`` a structural tag triggered by ``<tool_call>`` still makes
+    each call's JSON match its tool."""
     forced = chosen_tools(tools, mode, name)
     if fmt == "llama3":
         if forced is None:
@@ -425,7 +423,13 @@ _LLAMA_HEAD = re.compile(
 class CallStream:
     """One choice's text in, text pieces and calls (a head, then argument parts) out, in
     order. ``feed`` as the text arrives, ``finish`` at the end; a whole text fed at once
-    gives the same calls."""
+    gives the same calls.
+
+    A call is streamed as OpenAI streams one: its name (``CallHead``) as soon as it is
+    known, then its arguments in fragments as they are generated (``ArgsPart``), where the
+    output cannot turn out not to be a call after all (a qwen25 call of a given tool whose
+    arguments are an object; a llama3 call the grammar forces); other calls come whole when
+    they are complete."""
 
     def __init__(self, names: frozenset[str]) -> None:
         self.names = names

@@ -126,8 +126,8 @@ def write_kv_buffers(
 def native_store(k_buf: torch.Tensor, k: torch.Tensor, out_cache_loc: torch.Tensor) -> bool:
     """Whether ``torch.ops.tandem.store_kv`` (``attention/cpu_decode.cpp``, loaded with
     the CPU kernels) writes this layer's K/V: one pass over the new rows in place of an
-    ``index_copy_`` per buffer, K and V already in the cache's dtype. A decode step of
-    64 requests on the ~100M model made 48 such calls, 41 us each in the step."""
+    ``index_copy_`` per buffer, K and V already in the cache's dtype (measurements:
+    docs/benchmarks.md, Measurements behind the code)."""
     return (
         k_buf.device.type == "cpu"
         and k.dtype == k_buf.dtype

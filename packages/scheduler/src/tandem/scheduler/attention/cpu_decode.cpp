@@ -11,8 +11,8 @@
 // take them one at a time (for_each_item, cpu_math.h): its G query heads are scored
 // against each key as the key is read, so a pair's keys and values leave memory once,
 // whatever G. Keys past the last one whose bias is finite (past the request's length)
-// are not read. SDPA's CPU kernel spends about twice as long on the same step, in one
-// small matrix product per pair.
+// are not read. SDPA's CPU kernel is slower on the same step, with one small matrix
+// product per pair (measurements: docs/benchmarks.md, Measurements behind the code).
 //
 // float32 on AVX-512 (heads of a multiple of 16 elements, at most 256, at most 8 query
 // heads per KV head) scores sixteen keys at a time, their sixteen partial-sum
@@ -229,7 +229,7 @@ void attend_avx2(const Pair<float>& p, int64_t key_stride, int64_t dim_arg, int6
   // A pair's keys and values are too short a stream for the hardware's prefetcher to
   // reach speed on: the kernel asks for the keys kKeysAhead ahead of those it scores,
   // and for the values of the keys it scores into L2, where the weighted sum finds
-  // them. Two AVX2 cores, 64 requests of ~160 keys: 1.3 -> 1.0 ms a layer.
+  // them.
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(float));
   for (int64_t s = 0; s < kKeysAhead && s < end; ++s) {
     fetch<true>(p.k + s * key_stride, row_bytes);

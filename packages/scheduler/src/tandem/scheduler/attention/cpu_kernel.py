@@ -1,21 +1,13 @@
 """tandem's CPU kernels: its own C++ ops, built on a machine's first CPU start.
 
-Three sources make one library: ``cpu_decode.cpp``, beside this file, the decode
-attention (``torch.ops.tandem.decode_attention``; float32, and bfloat16 on CPUs with
-AVX512-BF16); ``models/cpu_fused.cpp``, the fused element-wise ops of the model
-(``torch.ops.tandem.rms_norm``, ``silu_mul`` and ``rotary``); and
-``models/cpu_linear.cpp``, the product over weights laid out in panels
-(``torch.ops.tandem.linear_panels``: float32 on CPUs with AVX-512, bfloat16 with
-AVX512-BF16 too). They are compiled the
-first time a CPU engine starts on a machine, with the C++ compiler found on ``PATH``
-against the running torch's headers and libraries, into ``<cache>/kernels/`` (the cache
-of the embedded default model), and loaded into the process. Later starts load the built
-library; each load marks it used, and builds that no process has loaded for
-``UNUSED_FOR_S`` (another source, torch or compiler than any install on the machine runs
-now) are removed. A machine without a compiler, or a build that fails, keeps the torch
-formulas (SDPA, the model's element-wise code), with a warning. See
-docs/guides/adding-an-attention-backend.md, "The two backends".
-"""
+Three sources make one library: ``cpu_decode.cpp`` (decode attention,
+``torch.ops.tandem.decode_attention``), ``models/cpu_fused.cpp`` (the fused element-wise
+ops ``rms_norm``, ``silu_mul`` and ``rotary``) and ``models/cpu_linear.cpp`` (the product
+over weights laid out in panels, ``linear_panels``). The first CPU engine on a machine
+compiles them against the running torch into ``<cache>/kernels/``; later starts load that
+build, and builds unused for ``UNUSED_FOR_S`` are removed. Without a compiler, or when the
+build fails, the torch formulas stay, with a warning. See
+docs/guides/adding-an-attention-backend.md, "The two backends"."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ namespace tandem_cpu {
 // the next item from a shared counter until none is left, instead of a fixed share of
 // the range: a thread that the OS stops for a while (another process, or the scheduler
 // thread, wanted its core) leaves its items to the others, where with fixed shares
-// every other thread would wait for it at the end. On two cores shared with the API
-// process this serves the ~100M model at 64 streams about 3 % faster.
+// every other thread would wait for it at the end (measurements: docs/benchmarks.md,
+// Measurements behind the code).
 template <typename Start, typename Work>
 void for_each_item(int64_t total, Start start, Work work) {
   if (total <= 0) return;

@@ -4,9 +4,8 @@ On the CPU, gathering every key of every request from the paged cache, each laye
 each step, is a large share of a small model's decode step, though the batch usually
 gains one key per request from one step to the next. ``DecodeStage`` keeps each
 layer's keys and values as ``[B, Hkv, capacity, D]`` tensors and appends each step's
-new K/V, so a step that continues the previous one (a decode step over the same rows)
-gathers nothing; it is used only while the whole stage (every layer's keys and values)
-stays under ``MAX_BYTES``.
+new K/V, so a step that continues the previous one gathers nothing; it is used only
+while the whole stage stays under ``MAX_BYTES``.
 See docs/guides/adding-an-attention-backend.md, "The two backends".
 """
 
@@ -37,10 +36,8 @@ and the next step gathers a new one."""
 WHOLE_HEADROOM = 32
 """``HEADROOM`` of a stage attended whole (bfloat16, see ``torch_backend``): every step
 reads all ``capacity`` keys, so room not yet used costs as much as keys in use, and
-a new stage (one gather, every 32 to 95 steps) is the cheaper price. 96-token prompts
-decoding 128 tokens attend over 208 keys a step on average instead of 256; measured
-per layer on a 2-core AVX-512 CPU (B=64, Hkv=4, G=3, D=64), 192 keys take 500-610 us
-and 256 keys 700 us, about 1.4 ms of a ~100M model's 50 ms step."""
+a new stage (one gather, every 32 to 95 steps) is the cheaper price (measurements:
+docs/benchmarks.md, Measurements behind the code)."""
 
 
 def capacity_for(max_seq_len: int, attended_whole: bool) -> int:

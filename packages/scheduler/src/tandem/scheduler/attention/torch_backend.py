@@ -199,8 +199,8 @@ class TorchAttention(AttentionBackend):
         mask = torch.where(padded_query, k_pos == 0, causal).unsqueeze(1)
         if device.type == "cpu":
             # The same mask as additive floats: SDPA's CPU kernel gives equal results
-            # (it converts a boolean mask to these), faster in bfloat16: the ~100M
-            # model's layer for 64 prompts of 96 tokens, 32 -> 21 ms (float32 21 both).
+            # (it converts a boolean mask to these), faster in bfloat16, the same in
+            # float32 (measurements: docs/benchmarks.md, Measurements behind the code).
             mask = _additive_mask(~mask, self.kv_cache.k_buffer(0).dtype)
         self._plan = _Plan(batch.out_cache_loc, kv_slots, offsets, mask, b, max_query)
 
@@ -305,14 +305,13 @@ def _whole_stage(dtype: torch.dtype, kernel: bool) -> bool:
 
     For bfloat16 without the kernel only. SDPA's CPU kernel is slow there, and the
     products are fast only on a contiguous operand: on a cut stage (a ``[:, :, :L]``
-    slice of ``[B, Hkv, capacity, D]``) the matmul copies the keys first. Measured per layer on
-    a 2-core AVX-512 CPU, 2 threads (Hkv=4, G=3, D=64; the stage ``L + 64`` to
-    ``L + 127`` keys long): B=64 L=120 954 -> 552 us, L=220 1688 -> 1045 us, L=320 2790 -> 1920 us;
-    B=8 from equal to 1.37x faster. A ~100M bfloat16 model decodes 64 requests 9 % faster.
-    float32 gained at most 1.2x at B=64 and lost at B=8; it takes tandem's decode
-    kernel (``_kernel_fits``), or SDPA on the cut stage without it. The kernel reads
-    each request's keys only, so bfloat16 with the kernel (AVX512-BF16's, or the
-    float32 one over widened operands) cuts too."""
+    slice of ``[B, Hkv, capacity, D]``) the matmul copies the keys first. In bfloat16 the
+    whole stage is never slower and is faster on large batches; float32 gained little on
+    large batches and lost on small ones, so it takes tandem's decode kernel
+    (``_kernel_fits``), or SDPA on the cut stage without it (measurements:
+    docs/benchmarks.md, Measurements behind the code). The kernel reads each request's
+    keys only, so bfloat16 with the kernel (AVX512-BF16's, or the float32 one over
+    widened operands) cuts too."""
     return dtype == torch.bfloat16 and not kernel
 
 
@@ -375,28 +374,22 @@ def _grouped_decode(
     as matrix-vector work. The decode mask (``k < seq_len``) is the same for every
     query of a request, so it broadcasts over the rows.
 
-    Measured per layer on a 2-core CPU, fp32, 2 threads (min of repeats), old layout
-    with boolean mask -> this: the SDPA call alone, default model (H=4, Hkv=2, D=16),
-    B=16, L=301: 256 -> 114 us (141 grouped with the boolean mask). Whole ``forward``
-    (KV write and gathers included), B=16: default model L=301 353 -> 233 us;
-    Qwen2.5-0.5B-like (H=14, Hkv=2, D=64) L=1024 8.4 -> 4.2 ms, L=4096 70 -> 46 ms;
-    Llama-like (H=32, Hkv=8, D=128) L=4096 482 -> 320 ms; faster at every shape tried
-    (B in {1, 16}, L from 64 to 4096, Hkv in {1, 2, 4, 8}), so no shape criterion.
-    Two ``bmm`` over block-diagonal queries (each head's query in its KV head's
-    ``D``-wide block of a zero ``[H, Hkv * D]`` matrix) was never faster at these
-    shapes (143 us for the default call above; one tie) and wastes a factor ``Hkv``
-    of arithmetic. The grouped layout is measured on the CPU only; CUDA keeps the general
-    path. tandem's decode kernel takes the step when ``kernel`` (``_kernel_fits``);
-    without it, bfloat16 K/V take two matrix products instead of SDPA (``_whole_stage``).
-    Returns ``[B, H * D]``."""
+    Grouping the heads is faster than the ``[B, H, 1, D]`` call at every shape tried,
+    so there is no shape criterion. Two ``bmm`` over block-diagonal queries (each
+    head's query in its KV head's ``D``-wide block of a zero ``[H, Hkv * D]`` matrix)
+    was never faster at those shapes and wastes a factor ``Hkv`` of arithmetic
+    (measurements: docs/benchmarks.md, Measurements behind the code). The grouped
+    layout is measured on the CPU only; CUDA keeps the general path. tandem's decode
+    kernel takes the step when ``kernel`` (``_kernel_fits``); without it, bfloat16 K/V
+    take two matrix products instead of SDPA (``_whole_stage``). Returns ``[B, H * D]``."""
     b, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     bf16_path = cpu_kernel.bf16_kernels() and _kernel_fits(q, keys, values)
     if kernel and keys.dtype == torch.bfloat16 and not bf16_path:
         # No bfloat16 kernel in this build (no AVX512-BF16), or heads its bfloat16 path
         # does not take: the float32 kernel over the operands widened (exactly), its
-        # output rounded once. At 64 requests of 160 keys on two AVX2 cores, 1.5 ms a
-        # layer against 15.2 for the two bfloat16 products.
+        # output rounded once: much faster than the two bfloat16 products (measurements:
+        # docs/benchmarks.md, Measurements behind the code).
         wide = (x.float() for x in (q, keys, values, mask))
         out = torch.ops.tandem.decode_attention(*wide, scale)
         return out.to(q.dtype)

@@ -1,20 +1,11 @@
 """The control channel between a prefill and a decode server: JSON lines over TCP.
 
-A prefill server runs a ``BootstrapServer`` on ``disaggregation_bootstrap_port``. A
+A prefill server runs a ``BootstrapServer`` on ``disaggregation_bootstrap_port``; a
 decode server dials it once per prefill server (``BootstrapClient``) and keeps the
-connection. The KV itself never goes over this channel: it moves over the transfer
-engine (``transfer``); here only go who is who and where the pages are.
-
-Messages are dicts with an ``op``:
-
-- decode -> prefill: ``hello`` (its KV layout, transfer backend and endpoint; first on
-  every connection), ``want`` (a room's destination pages), ``cancel`` (a room given up)
-- prefill -> decode: ``welcome`` or ``refuse`` (the answer to ``hello``), ``sending``
-  (the runs of a room's pages about to be written), ``done`` (a room's KV was written;
-  its first token), ``failed`` (a room will get nothing)
-
-Both ends hand what they receive to the scheduler thread as ``Event``s through a queue,
-and call ``wake`` so an idle loop looks at once.
+connection. Only who is who and where the pages are go over this channel; the KV moves
+over the transfer engine (``transfer``). Messages are dicts with an ``op`` (listed at
+``Message``). Both ends hand what they receive to the scheduler thread as ``Event``s
+through a queue, and call ``wake`` so an idle loop looks at once.
 """
 
 from __future__ import annotations
@@ -31,6 +22,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# Messages, each a dict with an ``op``:
+# - decode -> prefill: ``hello`` (its KV layout, transfer backend and endpoint; first on
+#   every connection), ``want`` (a room's destination pages), ``cancel`` (a room given up)
+# - prefill -> decode: ``welcome`` or ``refuse`` (the answer to ``hello``), ``sending``
+#   (the runs of a room's pages about to be written), ``done`` (a room's KV was written;
+#   its first token), ``failed`` (a room will get nothing)
 Message = dict[str, Any]
 _MAX_LINE = 64 << 20  # a want's page list for a very long prompt stays far below this
 

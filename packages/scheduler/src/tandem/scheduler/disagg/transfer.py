@@ -1,17 +1,13 @@
 """KV transports: how a prefill server's KV pages reach a decode server's pool.
 
 Both sides register the same ordered list of buffers (every K buffer by layer, then
-every V buffer) and exchange ``endpoint``s over the bootstrap channel. The prefill side
-``send``s byte regions of its buffers into byte regions of the peer's; the decode side
-``expect``s them. Two backends sit behind ``KVTransport``:
-
-- ``mooncake``: Mooncake's transfer engine over TCP. One-sided: the prefill side writes
-  straight into the decode side's registered memory, so ``expect`` has nothing to do.
-- ``torch``: torch.distributed point-to-point, gloo on the CPU (NCCL for CUDA buffers).
-  Two-sided: the decode side posts one receive per region, tagged with the transfer
-  key. Each (decode, prefill) pair gets a 2-rank group of its own, rendezvoused through
-  a ``TCPStore`` the decode side hosts; no default process group is involved.
-"""
+every V buffer) and exchange ``endpoint``s over the bootstrap channel; the prefill side
+``send``s byte regions of its buffers into the peer's, the decode side ``expect``s them.
+``mooncake`` (Mooncake's transfer engine over TCP) is one-sided: the prefill side writes
+straight into the decode side's registered memory. ``torch`` (torch.distributed
+point-to-point, gloo on the CPU, NCCL for CUDA buffers) is two-sided: the decode side
+posts one receive per region, in a 2-rank group per (decode, prefill) pair that meets
+at a ``TCPStore`` the decode side hosts, with no default process group."""
 
 from __future__ import annotations
 
@@ -351,10 +347,10 @@ def _abort(group: Any) -> None:
         return
     # Gloo cannot cancel a pending wait (Work.abort is not exposed, and closing the
     # group wakes nothing), but a wait that times out closes all of the group's
-    # connections and fails every pending operation on both sides. A 1 ms receive that
-    # nobody sends to is such a wait. (Should a transfer use _ABORT_TAG as its key and
-    # be under way, its data ends the receive instead, and the group fails at its
-    # waits' timeouts; both outcomes end it.)
+    # connections and fails every pending operation on both sides. A receive that
+    # nobody sends to, with a one-millisecond timeout, is such a wait. (Should a
+    # transfer use _ABORT_TAG as its key and be under way, its data ends the receive
+    # instead, and the group fails at its waits' timeouts; both outcomes end it.)
     probe = torch.empty(1, dtype=torch.uint8)
     with contextlib.suppress(RuntimeError):
         group.recv([probe], 1 - group.rank(), _ABORT_TAG).wait(timedelta(milliseconds=1))

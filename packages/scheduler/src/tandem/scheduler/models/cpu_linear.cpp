@@ -15,7 +15,7 @@
 // read from memory once and from the core's cache after that. A decode step of a few
 // tokens thus reads every weight at about the rate the machine streams memory, and one
 // of a few dozen runs at about the arithmetic's rate, where oneDNN's products run
-// about 10-35 % slower (docs/benchmarks.md). AVX2 has half the vector width and
+// slower (measurements: docs/benchmarks.md). AVX2 has half the vector width and
 // registers: its tiles (below) are smaller, over the same panels (a float32 one stored
 // by halves).
 
@@ -207,8 +207,8 @@ void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, co
 // A float32 panel is stored by halves here (packing.to_panels with halves): its first
 // 24 columns for every k, then its last 24, so that a tall tile reads 96 contiguous
 // bytes a k. Over 48-column rows it read half of each 192-byte row, a row every other
-// k across three cache lines instead of two: a prefill's products (512 to 768 rows)
-// ran 3-9 % slower.
+// k across three cache lines instead of two, and a prefill's products ran slower
+// (measurements: docs/benchmarks.md, Measurements behind the code).
 //
 // bfloat16 (AVX2 has no bfloat16 arithmetic): the k-pair panels of the AVX-512 tile
 // above, widened in registers. A 32-bit lane holds one column's weights for inputs 2j
@@ -216,8 +216,8 @@ void run_item(const T* x, const T* panels, int64_t panel_size, const T* bias, co
 // lane with its low half cleared, exactly (a bfloat16 is a float32's high half). x and
 // the bias are widened to float32 once a call, and the sums kept in float32 and
 // rounded to bfloat16 once, at the store, as oneDNN's bfloat16 products do. The
-// weights are half the bytes of float32 ones: a decode step of a few tokens, which
-// streams them from memory, takes about half as long.
+// weights are half the bytes of float32 ones, which shortens a decode step of a few
+// tokens, where they stream from memory.
 namespace {
 
 constexpr int64_t kTileRows = 2;   // rows of x per tile: 2 x 6 sums in registers
@@ -338,8 +338,8 @@ struct Row {
 // y[0:MR, 0:cols) = x[0:MR, :] @ panel (+ bias) (+ res), MR 1 or 2, over `steps` panel
 // rows; the residual is added to the finished sum, as `res + x @ w` adds it after the
 // product. The sums are named variables, not an array: GCC kept an array's twelve
-// vectors in registers but also stored them all to the stack at every k, which halved
-// the tile's rate.
+// vectors in registers but also stored them all to the stack at every k, which slowed
+// the tile down.
 template <int MR, typename W, typename O>
 inline void tile(const float* x, int64_t ldx, int64_t steps, const W* panel, const float* bias,
                  const O* res, O* y, int64_t ldy, int64_t cols) {

@@ -228,10 +228,10 @@ class MLP(nn.Module):
 MLP_BLOCK_BYTES = 8 << 20
 """On the CPU, the feed-forward of a long batch runs in row blocks whose gate/up output
 is at most this large. Each block's output then stays in the cache while the activation
-and the down projection read it, instead of streaming from memory. Measured on a 2-core
-AVX-512 CPU (32 MB L3), a ~100M model's feed-forward (hidden 768, intermediate 2048)
-for 6144 tokens: bfloat16 147 -> 137 ms, float32 301 -> 268 ms per layer; blocks of
-512 to 1536 rows time the same, 2048 rows of float32 (32 MB) lose most of the gain."""
+and the down projection read it, instead of streaming from memory: a long batch's
+feed-forward is faster in both dtypes, the same over a wide range of block sizes, and
+a block as large as the last-level cache loses most of the gain (measurements:
+docs/benchmarks.md, Measurements behind the code)."""
 
 
 def _mlp_block_rows(x: torch.Tensor, inner: int) -> int:
@@ -270,7 +270,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         # Built on the meta device and filled by the loader: passing the (empty) weight
-        # skips the random init, whose meta-device path imports torch._dynamo (seconds).
+        # skips the random init, whose meta-device path imports torch._dynamo (slow).
         self.embed_tokens: nn.Embedding
         if tp.size > 1:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)

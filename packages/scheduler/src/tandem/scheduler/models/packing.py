@@ -57,7 +57,7 @@ class PackedLinear:
         """``residual + self(x)`` for a single layer. tandem's product adds the residual
         as it stores each sum (after rounding it, where ``+`` would add), one pass
         instead of a product and an add: a layer's output projection and down
-        projection, the ~100M model's 24 adds of a 64-request step, about 1.2 ms."""
+        projection (measurements: docs/benchmarks.md, Measurements behind the code)."""
         if len(self.sizes) != 1:
             raise ValueError(f"plus takes a single layer, not {len(self.sizes)} stacked")
         if self.panels is not None and residual.dtype == x.dtype and residual.is_contiguous():
@@ -103,8 +103,8 @@ ONEDNN_BATCH_HINT = 32
 ONEDNN_MIN_HIDDEN = 256
 """Smallest hidden size whose CPU projections get oneDNN copies. A oneDNN call costs
 more than MKL's to set up, which a tiny model's products do not repay: the embedded
-default model (hidden 64) decodes 1.34 times slower with them, a hidden-256 model 0.85
-times as long."""
+default model (hidden 64) decodes slower with them, a hidden-256 model faster
+(measurements: docs/benchmarks.md, Measurements behind the code)."""
 
 
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -140,9 +140,8 @@ def dense_up_to(dtype: torch.dtype, forward_threads: int) -> int:
     """The largest batch that multiplies by the column-major weight instead of the
     oneDNN copy. MKL's float32 matrix-vector product runs on one thread whatever the
     intra-op setting: on one thread it beats oneDNN's, on two oneDNN's splits the
-    weight's rows and streams it from memory almost twice as fast (a ~100M-parameter
-    model's products for one token: 17.1 against 20.0 ms on one thread, 17.0 against
-    13.8 ms on two). bfloat16 is faster on the copy at every batch."""
+    weight's rows and streams it from memory faster. bfloat16 is faster on the copy at
+    every batch (measurements: docs/benchmarks.md, Measurements behind the code)."""
     return 1 if dtype == torch.float32 and forward_threads == 1 else 0
 
 
@@ -193,15 +192,13 @@ def to_panels(weight: torch.Tensor, halves: bool | None = None) -> torch.Tensor:
 def with_panels(packed: PackedLinear) -> PackedLinear:
     """``packed`` multiplying every batch with ``torch.ops.tandem.linear_panels``
     (``models/cpu_linear.cpp``) over a copy of its weight in panels, in place of its
-    oneDNN copy (which it drops): on a 2-core AVX-512 CPU a ~100M model's layer
-    products take 8.5 against 15.2 ms at 8 tokens, 25.5 against 27.9 at 32, 47.1
-    against 51.6 at 64, and as long or less for a prefill, in float32; on a 2-core
-    AVX2 CPU (the same cores with AVX-512 hidden) one layer's products take 0.9 against
-    1.2 ms at 8 tokens, 3.0 against 3.1-3.3 at 32, as long at 64, and 4 % longer for a
-    prefill of 768 (61.5 against 59.0 ms). In bfloat16 on an AVX2 CPU, where oneDNN
-    cannot multiply it, the panels take the place of torch's own product, a hundred
-    times slower. Unchanged unless ``packed`` is ``blocked`` and the op takes its dtype
-    here."""
+    oneDNN copy (which it drops). In float32 that is faster than oneDNN at decode
+    batches and as fast or faster for a prefill with AVX-512; with AVX2 faster at small
+    batches, level at 64 tokens and a little slower for a long prefill. In bfloat16 on
+    an AVX2 CPU, where oneDNN cannot multiply it, the panels take the place of torch's
+    own product, which is far slower (measurements: docs/benchmarks.md, Measurements
+    behind the code). Unchanged unless ``packed`` is ``blocked`` and the op takes its
+    dtype here."""
     weight = packed.weight
     if not packed.blocked or not panels_available(weight.dtype):
         return packed

@@ -189,7 +189,7 @@ def _download(hub: ModuleType, repo: str, filename: str | None, tokenizer_only: 
     if filename is not None:
         return _gguf_in(Path(hub.snapshot_download(repo, allow_patterns=[filename])), filename)
     # The repository's listing; model_info fails at once when the Hub is unreachable
-    # (the file-listing calls retry for tens of seconds).
+    # (the file-listing calls keep retrying first).
     siblings = hub.HfApi().model_info(repo).siblings or []
     wanted, gguf = _pick(hub, repo, sorted(str(s.rfilename) for s in siblings), tokenizer_only)
     folder = Path(hub.snapshot_download(repo, allow_patterns=wanted))

@@ -1,16 +1,13 @@
 """Tensor parallelism inside the model: which slice of each weight a rank holds, and
 the two collectives its forward calls.
 
-A rank holds a block of the attention heads (q/k/v split by heads, ``o_proj`` by its
-input), a block of the MLP's intermediate units (gate/up by output, ``down_proj`` by
-input) and a block of the vocabulary (embedding and head). ``o_proj`` and
-``down_proj`` each end with one all-reduce of their partial sums; the embedding with
-one all-reduce (each token's row lives on one rank, the others add zeros); the head
-with one all-gather of the vocabulary blocks, so every rank samples from the same
-logits. With fewer KV heads than ranks, each rank keeps the one KV head its query
-heads read (replicated). Parameters keep their checkpoint names; their shapes are the
-rank's slice (``shard_rule`` says which slice).
-"""
+A rank holds a block of the attention heads (q/k/v by heads, ``o_proj`` by input), of
+the MLP's intermediate units (gate/up by output, ``down_proj`` by input) and of the
+vocabulary (embedding and head). ``o_proj``, ``down_proj`` and the embedding each end
+with one all-reduce; the head with one all-gather, so every rank samples from the same
+logits. With fewer KV heads than ranks, each rank keeps the one KV head its query heads
+read. Parameters keep their checkpoint names, with the rank's slice as their shape
+(``shard_rule``)."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def load_model(
             raise ValueError(
                 f"load_format 'gguf' needs a GGUF file's folder; {path} has no {GGUF_JSON}"
             )
-        # Imported here: the gguf library takes a few hundred ms to import.
+        # Imported here: the gguf library is slow to import.
         from tandem.scheduler.models import gguf_file
 
         source = gguf_file.GGUFSource.read(path)
