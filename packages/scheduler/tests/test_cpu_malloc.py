@@ -12,36 +12,37 @@ import pytest
 
 from tandem.scheduler import Engine, wiring
 
-# Resident bytes kept after a 64 MiB tensor is written and freed, in a fresh process.
-_RETAINED = """
-import os, sys
+# What both scripts below start with: the setting's function and a resident-bytes probe.
+_PRELUDE = """
+import os, sys, threading
 import torch
 from tandem.scheduler.cpu_malloc import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
 page = os.sysconf("SC_PAGE_SIZE")
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * page
+"""
+# Resident bytes kept after a 64 MiB tensor is written and freed, in a fresh process.
+_RETAINED = (
+    _PRELUDE
+    + """
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
 before = resident()
 block = torch.ones(64 << 20, dtype=torch.uint8)
 del block
 print(resident() - before)
 """
+)
 
 
 # Resident bytes a block written and freed on another thread (its own arena, as an
 # engine's forward thread has) leaves behind, before and after the setting is taken
 # again, as the next engine of the process takes it.
-_NEXT_ENGINE = """
-import os, threading
-import torch
-from tandem.scheduler.cpu_malloc import keep_freed_memory
+_NEXT_ENGINE = (
+    _PRELUDE
+    + """
 assert keep_freed_memory()
-page = os.sysconf("SC_PAGE_SIZE")
-def resident():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * page
 before = resident()
 def step():  # a step's activations: many blocks of a few MiB
     blocks = [torch.ones(16 << 20, dtype=torch.uint8) for _ in range(16)]
@@ -53,6 +54,7 @@ kept = resident() - before
 keep_freed_memory()
 print(kept, resident() - before)
 """
+)
 
 
 def _retained(mode: str) -> int:

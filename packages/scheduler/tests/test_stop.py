@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,23 +76,24 @@ def test_the_stream_never_shows_part_of_a_stop_string() -> None:
     assert checker.matched == "</answer>"
 
 
-def test_a_step_costs_the_new_text_not_the_number_of_strings() -> None:
-    """Thousands of long strings: each step still walks only the new characters, so
-    a step with 4,000 strings costs what one with 4 does, within a wide margin."""
-    many = [f"{i:04d}" + "x" * 250 for i in range(4000)]
-    few = many[:4]
-    pieces = ["word "] * 2000
+def test_a_step_reads_only_the_new_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many and long the strings, each step hands the automaton the new
+    characters alone, once: a whole request reads its text once."""
+    read: list[str] = []
+    advance = StopMatcher.advance
 
-    def steps(stops: list[str]) -> float:
-        checker = StopChecker(stops, _Pieces(pieces))  # type: ignore[arg-type]
-        start = time.perf_counter()
-        for i in range(len(pieces)):
-            checker.feed([i])
-            checker.take_new_text(final=False)
-        return time.perf_counter() - start
+    def counting(self: StopMatcher, state: int, text: str) -> tuple[int, int | None]:
+        read.append(text)
+        return advance(self, state, text)
 
-    steps(few)  # warm
-    assert steps(many) < 5 * steps(few) + 0.05
+    monkeypatch.setattr(StopMatcher, "advance", counting)
+    pieces = ["word "] * 200
+    stops = [f"{i:04d}" + "x" * 250 for i in range(64)]
+    checker = StopChecker(stops, _Pieces(pieces))  # type: ignore[arg-type]
+    for i in range(len(pieces)):
+        checker.feed([i])
+        checker.take_new_text(final=False)
+    assert read == pieces
 
 
 def test_requests_with_the_same_small_set_share_one_matcher() -> None:
@@ -115,3 +114,17 @@ def test_past_a_limit_the_error_names_it_and_the_flag(stops: list[str], needle: 
         StopLimits().check(stops)
     assert "--max-stop-string" in str(info.value)
     StopLimits(max_count=65, max_length=1025).check(stops)  # raised, it passes
+
+
+def test_the_engine_refuses_past_its_limits_and_takes_them_raised() -> None:
+    """The offline Engine checks the limits too (the server checks them before it
+    tokenizes), and its options raise them."""
+    from tandem.scheduler import Engine
+
+    stops = [f"s{i}" for i in range(5)]
+    params = {"max_new_tokens": 2, "stop": stops}
+    engine = Engine(model_path="tandem-tiny", device="cpu", max_stop_strings=4)
+    with engine, pytest.raises(ValueError, match="5 stop strings, more than the limit of 4"):
+        engine.generate("x", params)
+    with Engine(model_path="tandem-tiny", device="cpu", max_stop_strings=5) as engine:
+        assert engine.generate("x", params)["meta_info"]["finish_reason"] is not None

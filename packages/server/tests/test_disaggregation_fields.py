@@ -56,6 +56,7 @@ class StandIn:
         self.info = {
             "vocab_size": self.tokenizer.vocab_size, "context_length": 2048,
             "model_path": "/nowhere", "architecture": "LlamaForCausalLM", "device": "cpu",
+            "max_stop_strings": 64, "max_stop_string_length": 1024,
         }  # fmt: skip
         self.alive = True
 

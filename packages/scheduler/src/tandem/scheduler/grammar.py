@@ -267,13 +267,13 @@ class GrammarBackend:
     def _compile(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         vocab = self._loaded()
         if kind == "structural_tag":
-            tag = _json_without_raw_controls(_structural_tag(text))
+            tag = _structural_tag(text)
+            tag = _without_raw_controls(json.loads(tag), tag)
             compile_tag = vocab.tag_compiler().compile_structural_tag
             return _xgrammar_call(kind, "invalid structural tag", compile_tag, tag)
         compiler = vocab.compiler
         if kind == "json_schema":
-            _parse_schema(text)
-            text = _json_without_raw_controls(text)
+            text = _without_raw_controls(_parse_schema(text), text)
             spaces = self._json_max_whitespace
             compile_schema = functools.partial(
                 compiler.compile_json_schema,
@@ -451,7 +451,7 @@ def _encode_added(content: str, alphabet: list[str] | None) -> str:
     return "".join(alphabet[byte] for byte in content.encode("utf-8"))
 
 
-def _parse_schema(text: str) -> None:
+def _parse_schema(text: str) -> Any:
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -460,6 +460,7 @@ def _parse_schema(text: str) -> None:
         raise ValueError(
             f"json_schema: a schema is a JSON object or boolean, got {type(schema).__name__}"
         )
+    return schema
 
 
 # What a JSON string's characters may be, unescaped: no quote, backslash or control.
@@ -467,16 +468,14 @@ _PLAIN_CHARACTER = r'[^"\\\x00-\x1f]'
 _LENGTH_ONLY = frozenset({"type", "minLength", "maxLength", "title", "description", "default"})
 
 
-def _json_without_raw_controls(text: str) -> str:
-    """``text`` (a schema, or a structural tag holding schemas) with every string schema
-    bounded only by ``minLength``/``maxLength`` turned into the same bounds on a
-    pattern of plain characters. xgrammar (0.2.8 and 0.2.9) compiles such strings to a
-    character class that admits raw control characters, which no JSON string may hold;
-    its patterns exclude them. Like xgrammar's own bounded strings, these take no
-    escape sequences."""
-    value = json.loads(text)
-    changed = _bound_strings(value)
-    return json.dumps(value) if changed else text
+def _without_raw_controls(value: Any, text: str) -> str:
+    """``text``, whose JSON is ``value`` (a schema, or a structural tag holding schemas;
+    rewritten in place), with every string schema bounded only by ``minLength`` and
+    ``maxLength`` turned into the same bounds on a pattern of plain characters.
+    xgrammar (0.2.8 and 0.2.9) compiles such strings to a character class that admits
+    raw control characters, which no JSON string may hold; its patterns exclude them.
+    Like xgrammar's own bounded strings, these take no escape sequences."""
+    return json.dumps(value) if _bound_strings(value) else text
 
 
 def _bound_strings(value: Any) -> bool:

@@ -235,12 +235,17 @@ class Tokenizer:
         tokenize as they would have in one text. Batch calls, without the GIL."""
         plain = [t for t, literal in pieces if not literal]
         literal = [t for t, literal in pieces if literal]
-        encoded = iter(_encode_batch(self._backend, plain))
-        as_text = iter(_encode_batch(self._literal_backend, literal) if literal else [])
+        encoded = iter(self.encode_batch(plain, add_special_tokens=False))
+        as_text = iter(_encode_batch(self._literal_backend, literal, False) if literal else [])
         ids: list[int] = []
         for _, is_literal in pieces:
             ids += next(as_text) if is_literal else next(encoded)
         return ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, as ``encode`` gives them, in one call that runs
+        without the GIL (``encode`` holds it throughout)."""
+        return _encode_batch(self._backend, texts, add_special_tokens)
 
     @functools.cached_property
     def _special_pattern(self) -> re.Pattern[str] | None:
@@ -272,9 +277,9 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
 
-def _encode_batch(backend: BackendTokenizer, texts: list[str]) -> list[list[int]]:
+def _encode_batch(backend: BackendTokenizer, texts: list[str], special: bool) -> list[list[int]]:
     batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return [list(e.ids) for e in batch(texts, add_special_tokens=False)]
+    return [list(e.ids) for e in batch(texts, add_special_tokens=special)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -168,10 +168,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
             int(info["vocab_size"]),
             int(info["context_length"]),
             prepare.max_token_chars(tokenizer),
-            StopLimits(
-                int(info.get("max_stop_strings", StopLimits.max_count)),
-                int(info.get("max_stop_string_length", StopLimits.max_length)),
-            ),
+            StopLimits(int(info["max_stop_strings"]), int(info["max_stop_string_length"])),
         )
         preparer = Preparer(config.tokenizer_workers, config.prepare_queue_size)
         tool_format, why = tool_format_of(config, tokenizer, info)

@@ -56,11 +56,9 @@ class Preparer:
 
 
 def encode(tokenizer: Tokenizer, texts: list[str], special: bool) -> list[list[int]]:
-    """Token ids of each text, as ``Tokenizer.encode`` gives them; the batch call runs
-    without the GIL (``encode`` holds it throughout), so the event loop keeps going."""
-    backend = tokenizer.backend
-    batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return [list(e.ids) for e in batch(texts, add_special_tokens=special)]
+    """Token ids of each text (``Tokenizer.encode_batch``: without the GIL, so the event
+    loop keeps going)."""
+    return tokenizer.encode_batch(texts, add_special_tokens=special)
 
 
 def max_token_chars(tokenizer: Tokenizer | None) -> int:
