@@ -72,7 +72,7 @@ def _gpu_engines_attention_backend() -> Iterator[None]:
     if backend is None:
         yield
         return
-    from tandem.scheduler import wiring
+    from tandem.scheduler.engine import wiring
 
     default = wiring.default_backend
 

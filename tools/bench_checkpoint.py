@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from tandem.scheduler.default_model import (
+from tandem.scheduler.models.tiny import (
     END_OF_TEXT_TOKEN,
     IM_END_TOKEN,
     SPECIAL_TOKENS,

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.scheduler.models import ModelConfig, resolve_dtype
-from tandem.server.bench import left_padded, median_run, synchronize
+from tandem.server.bench.offline import left_padded, median_run, synchronize
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_DIR = ROOT / "benchmarks" / "configs"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tandem.scheduler import Engine
-from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.models.tiny import default_model_path
 
 
 def _dummy_checkpoint(hidden: int, layers: int, folder: Path) -> Path:

@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_checkpoint  # the sibling scripts
 import llamacpp_build
 
-from tandem.server.bench import median_run
+from tandem.server.bench.offline import median_run
 
 ROOT = Path(__file__).resolve().parent.parent
 # How docs/hooks/bench_figures.py recognises these files: with llama.cpp among the
@@ -192,10 +192,10 @@ def checkpoint_for(
     if model == GGUF_MODEL:
         import torch
 
-        from tandem.scheduler.default_model import cache_root
         from tandem.scheduler.models.fetch import default_model_file
         from tandem.scheduler.models.gguf_file import export_safetensors
         from tandem.scheduler.models.source import resolve_model
+        from tandem.scheduler.models.tiny import cache_root
 
         root = cache_root(cache_dir)
         file = default_model_file(cache_dir)

@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(ours)
     if args.workers < 1:
         parser.error("--workers must be >= 1")
-    from tandem.server import bench_serve
+    from tandem.server.bench import serve as bench_serve
 
     worker_args = shlex.split(args.worker_args)
     if not any(a.startswith("--model-path") for a in worker_args):

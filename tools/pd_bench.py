@@ -169,7 +169,7 @@ def _bench(
     url: str, bench_args: Sequence[str], tokenizer: str, out: Path
 ) -> tuple[int, dict[str, Any]]:
     """``tandem bench serve`` against ``url``: its exit code and figures."""
-    from tandem.server import bench_serve
+    from tandem.server.bench import serve as bench_serve
 
     args = ["--base-url", url, *bench_args, "--output-json", str(out)]
     if _flag_value(bench_args, "--endpoint") is None:
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker_args = shlex.split(args.worker_args)
     model = _flag_value(worker_args, "--model-path")
     if model is None:
-        from tandem.scheduler.default_model import tiny_model_path
+        from tandem.scheduler.models.tiny import tiny_model_path
 
         # The tiny test model, built here once before three servers would build it.
         model = str(tiny_model_path())

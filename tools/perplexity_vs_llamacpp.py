@@ -156,7 +156,7 @@ def tandem_same_tokens(
     engine's own tokens of ``text`` as ``tandem bench perplexity`` reads it (for the
     comparison of the tokenizers)."""
     from tandem.scheduler import Engine
-    from tandem.server.perplexity import engine_scorer
+    from tandem.server.bench.perplexity import engine_scorer
 
     engine = Engine(str(gguf), dtype=dtype, device="cpu")
     try:

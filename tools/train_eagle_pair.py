@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tandem.scheduler.default_model import (
+from tandem.scheduler.models.tiny import (
     _generation_config,
     build_default_tokenizer,
     default_model_config,

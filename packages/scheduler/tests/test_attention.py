@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tandem.scheduler.attention import HeadShape, create_attention_backend
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
-from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool
+from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 

@@ -14,11 +14,15 @@ from reference_models import VOCAB
 
 from tandem.futuremap import create_stream
 from tandem.scheduler import Engine
-from tandem.scheduler.cli import main
-from tandem.scheduler.cpu_step import CpuStep, ForwardThreads
-from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.engine.cli import main
+from tandem.scheduler.engine.wiring import (
+    LONG_STEP_WEIGHTS,
+    LONG_TOKEN_WEIGHTS,
+    default_forward_threads,
+)
 from tandem.scheduler.models import ModelConfig
-from tandem.scheduler.wiring import LONG_STEP_WEIGHTS, LONG_TOKEN_WEIGHTS, default_forward_threads
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.runner.cpu_step import CpuStep, ForwardThreads
 
 PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 

@@ -161,7 +161,7 @@ def test_bad_grammars_are_refused_before_anything_is_queued(
 def test_a_forward_waiting_for_masks_counts_the_wait_as_idle() -> None:
     import torch
 
-    from tandem.scheduler.timeline import Timeline
+    from tandem.scheduler.runner.timeline import Timeline
 
     timeline = Timeline(torch.device("cpu"))
     handle = timeline.begin(new_period=True)

@@ -1,5 +1,5 @@
 """tandem's fused CPU ops (``torch.ops.tandem.rms_norm``, ``silu_mul`` and ``rotary``,
-built from ``models/cpu_fused.cpp``): each against the torch formula it replaces, in
+built from ``kernels/cpu_fused.cpp``): each against the torch formula it replaces, in
 float32 and bfloat16, on the strided views the model hands them; the inputs they refuse;
 and an engine's tokens with them
 equal to its tokens without, in both loops, through the decode trace. A model running
@@ -12,17 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from tandem.scheduler import Engine
-from tandem.scheduler.attention import cpu_kernel
-from tandem.scheduler.default_model import cache_root
+from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models.decoder import RMSNorm, _rotate
 from tandem.scheduler.models.rope import RotaryEmbedding
+from tandem.scheduler.models.tiny import cache_root
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    assert cpu_kernel.load_cpu_kernels(cache_root() / "kernels")
+    assert cpu_build.load_cpu_kernels(cache_root() / "kernels")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

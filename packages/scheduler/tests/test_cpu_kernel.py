@@ -1,5 +1,5 @@
 """The CPU decode kernel (``torch.ops.tandem.decode_attention``, built from
-``attention/cpu_decode.cpp``): its output against float64 SDPA at every head size it
+``kernels/cpu_decode.cpp``): its output against float64 SDPA at every head size it
 specializes and ones it does not, on its AVX-512 path and its generic one (a head of
 40 elements, 12 query heads per KV head), with masked keys, key counts that are not a
 multiple of its sixteen- or four-key blocks and the gathered pages' strides; the bad
@@ -24,14 +24,15 @@ import torch.nn.functional as F
 
 from tandem.scheduler import Engine
 from tandem.scheduler.attention import base as attention_base
-from tandem.scheduler.attention import cpu_kernel, torch_backend
+from tandem.scheduler.attention import torch_backend
 from tandem.scheduler.attention.decode_stage import append_to_stage
 from tandem.scheduler.attention.torch_backend import (
     _grouped_decode,
     _kernel_fits,
     bf16_kernel_fits,
 )
-from tandem.scheduler.default_model import cache_root
+from tandem.scheduler.kernels import cpu_build
+from tandem.scheduler.models.tiny import cache_root
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def kernel_dir() -> Path:
     """Where engines keep the kernel: one registration per process, so this module
     loads the build the engines (in this process or another) load."""
     path = cache_root() / "kernels"
-    assert cpu_kernel.load_cpu_kernels(path)
+    assert cpu_build.load_cpu_kernels(path)
     return path
 
 
@@ -118,7 +119,7 @@ def test_kernel_refuses_what_it_cannot_attend(kernel_dir: Path) -> None:
         op(q, k, k, torch.zeros(2, 1, 1, 7), 0.25)
     # bfloat16 heads of 16 elements: the bfloat16 path takes multiples of 32 only (or,
     # on a CPU without AVX512-BF16, no bfloat16 at all).
-    needs = "a multiple of 32" if cpu_kernel.bf16_kernels() else "AVX512-BF16"
+    needs = "a multiple of 32" if cpu_build.bf16_kernels() else "AVX512-BF16"
     with pytest.raises(RuntimeError, match=needs):
         op(q.bfloat16(), k.bfloat16(), k.bfloat16(), bias.bfloat16(), 0.25)
 
@@ -157,7 +158,7 @@ def test_bfloat16_kernel_equals_float64_attention(kernel_dir: Path, dim: int, gr
     lens = [1, 15, 16, 17, 33, 50]
     q, k, v, bias = _bf16_case(group, dim, lens, seed=dim + group)
     op = torch.ops.tandem.decode_attention
-    if not cpu_kernel.bf16_kernels():  # a CPU without AVX512-BF16: a clear refusal
+    if not cpu_build.bf16_kernels():  # a CPU without AVX512-BF16: a clear refusal
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             op(q, k, v, bias, dim**-0.5)
         return
@@ -188,7 +189,7 @@ def test_bfloat16_decode_with_the_kernel_on_equals_float64_attention(
         out = _grouped_decode(q, k, v, bias, dim**-0.5, kernel=True)
     assert "tandem::decode_attention" in {event.key for event in prof.key_averages()}
     assert out.dtype == torch.bfloat16
-    if not (cpu_kernel.bf16_kernels() and bf16_kernel_fits(2 * group, 2, dim)):
+    if not (cpu_build.bf16_kernels() and bf16_kernel_fits(2 * group, 2, dim)):
         wide = torch.ops.tandem.decode_attention(
             q.float(), k.float(), v.float(), bias.float(), dim**-0.5
         )
@@ -206,7 +207,7 @@ def test_bfloat16_kernel_reads_the_gathered_pages_strides(kernel_dir: Path) -> N
     k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)  # [B, Hkv, L, D]
     q = torch.randn(2, 12, 64, generator=gen).bfloat16()
     bias = _bias([37, 20], 37).bfloat16()
-    if not cpu_kernel.bf16_kernels():  # a CPU without AVX512-BF16: a clear refusal
+    if not cpu_build.bf16_kernels():  # a CPU without AVX512-BF16: a clear refusal
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             torch.ops.tandem.decode_attention(q, k, v, bias, 0.125)
         return
@@ -219,29 +220,29 @@ def test_bfloat16_kernel_reads_the_gathered_pages_strides(kernel_dir: Path) -> N
 def test_a_build_is_kept_and_loaded_again(
     kernel_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    compiler = cpu_kernel._compiler()
+    compiler = cpu_build._compiler()
     assert compiler is not None
-    built = cpu_kernel.library_path(kernel_dir, compiler, cpu_kernel._flags())
+    built = cpu_build.library_path(kernel_dir, compiler, cpu_build._flags())
     assert built.is_file()
     stamp = built.stat().st_mtime_ns
     os.utime(built, ns=(0, stamp))  # last loaded long ago
-    monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)  # as a new process would
-    monkeypatch.setattr(cpu_kernel, "_build", lambda *args: pytest.fail("built again"))
+    monkeypatch.setattr(cpu_build, "loaded", lambda: False)  # as a new process would
+    monkeypatch.setattr(cpu_build, "_build", lambda *args: pytest.fail("built again"))
     # Recorded, not loaded: this process may hold another file's registration of the
     # same ops (a test's build in a temporary folder), and a second one aborts it.
     loads: list[str] = []
     monkeypatch.setattr(torch.ops, "load_library", loads.append)
-    assert cpu_kernel.load_cpu_kernels(kernel_dir)
+    assert cpu_build.load_cpu_kernels(kernel_dir)
     assert loads == [str(built)]
     assert built.stat().st_mtime_ns == stamp
     assert built.stat().st_atime > time.time() - 60  # the load marked it used
     # Another source, torch, compiler or flag set is another file.
-    assert cpu_kernel.library_path(kernel_dir, compiler, [*cpu_kernel._flags(), "-g"]) != built
+    assert cpu_build.library_path(kernel_dir, compiler, [*cpu_build._flags(), "-g"]) != built
 
 
 def test_builds_no_process_loaded_for_30_days_are_removed(tmp_path: Path) -> None:
     now = time.time()
-    long_ago = now - cpu_kernel.UNUSED_FOR_S - 60
+    long_ago = now - cpu_build.UNUSED_FOR_S - 60
 
     def build(name: str, used: float) -> Path:
         path = tmp_path / name
@@ -258,7 +259,7 @@ def test_builds_no_process_loaded_for_30_days_are_removed(tmp_path: Path) -> Non
     busy = build("cpu_kernels-5555.so", long_ago)
     with open(busy.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process building or loading it
-        removed = cpu_kernel.remove_unused(tmp_path, keep=keep, now=now)
+        removed = cpu_build.remove_unused(tmp_path, keep=keep, now=now)
     assert removed == [unused, renamed]
     for gone in removed:
         assert not gone.exists()
@@ -271,15 +272,15 @@ def test_builds_no_process_loaded_for_30_days_are_removed(tmp_path: Path) -> Non
 def test_without_a_compiler_or_with_a_failing_one_sdpa_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)
-    monkeypatch.setattr(cpu_kernel, "COMPILERS", ("tandem-no-such-compiler",))
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
-        assert not cpu_kernel.load_cpu_kernels(tmp_path)
+    monkeypatch.setattr(cpu_build, "loaded", lambda: False)
+    monkeypatch.setattr(cpu_build, "COMPILERS", ("tandem-no-such-compiler",))
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert not cpu_build.load_cpu_kernels(tmp_path)
     assert "no C++ compiler" in caplog.text
-    monkeypatch.setattr(cpu_kernel, "COMPILERS", ("false",))  # exits 1, builds nothing
+    monkeypatch.setattr(cpu_build, "COMPILERS", ("false",))  # exits 1, builds nothing
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
-        assert not cpu_kernel.load_cpu_kernels(tmp_path)
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert not cpu_build.load_cpu_kernels(tmp_path)
     assert "CPU kernels not built" in caplog.text
     assert not list(tmp_path.glob("*.so"))
 
@@ -290,9 +291,9 @@ def test_a_build_that_times_out_is_a_fallback(
     def slow(*args: Any, **kwargs: Any) -> Any:
         raise subprocess.TimeoutExpired(args[0], kwargs.get("timeout", 0))
 
-    monkeypatch.setattr(cpu_kernel, "loaded", lambda: False)
-    monkeypatch.setattr(cpu_kernel.subprocess, "run", slow)
-    assert not cpu_kernel.load_cpu_kernels(tmp_path)
+    monkeypatch.setattr(cpu_build, "loaded", lambda: False)
+    monkeypatch.setattr(cpu_build.subprocess, "run", slow)
+    assert not cpu_build.load_cpu_kernels(tmp_path)
 
 
 INPUTS = [[(13 * i + 7 * j) % 250 + 4 for j in range(5 + 11 * i)] for i in range(6)]

@@ -1,5 +1,5 @@
 """tandem's product (``torch.ops.tandem.linear_panels``, built from
-``models/cpu_linear.cpp`` on CPUs with AVX2 and FMA or AVX-512; bfloat16 on AVX2 and on
+``kernels/cpu_linear.cpp`` on CPUs with AVX2 and FMA or AVX-512; bfloat16 on AVX2 and on
 AVX-512 with AVX512_BF16) over
 weights in panels (``packing.to_panels``): against ``F.linear`` at row counts below, at
 and above its tiles and chunks, at output sizes that end mid-panel or mid-vector and,
@@ -19,21 +19,21 @@ import torch.nn.functional as F
 from reference_models import DenseCausalAttention, tiny_model_config
 
 from tandem.scheduler import Engine
-from tandem.scheduler.attention import cpu_kernel
-from tandem.scheduler.default_model import cache_root, default_model_path
+from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models import CausalLM, load_model, packing
 from tandem.scheduler.models.packing import PANEL_COLUMNS, panels_available, to_panels
+from tandem.scheduler.models.tiny import cache_root, default_model_path
 
 CAPABILITY = torch.backends.cpu.get_cpu_capability()
 PANELS = CAPABILITY in ("AVX2", "AVX512")  # float32: AVX2 tiles, or AVX-512 ones
 # bfloat16: AVX2 tiles over widened pairs, or AVX-512 ones with AVX512_BF16 (without it,
 # oneDNN multiplies bfloat16 on AVX-512).
-BF16 = CAPABILITY == "AVX2" or (CAPABILITY == "AVX512" and cpu_kernel.bf16_kernels())
+BF16 = CAPABILITY == "AVX2" or (CAPABILITY == "AVX512" and cpu_build.bf16_kernels())
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
-    assert cpu_kernel.load_cpu_kernels(cache_root() / "kernels")
+    assert cpu_build.load_cpu_kernels(cache_root() / "kernels")
 
 
 def _weight(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def test_the_op_exists_exactly_on_avx2_and_up() -> None:
     assert panels_available() == PANELS
     assert panels_available(torch.bfloat16) == BF16
     assert not panels_available(torch.float16)
-    assert cpu_kernel.panel_halves() == (CAPABILITY == "AVX2")  # the AVX2 tiles' layout
+    assert cpu_build.panel_halves() == (CAPABILITY == "AVX2")  # the AVX2 tiles' layout
 
 
 def test_bfloat16_panels_hold_pairs_of_inputs_side_by_side() -> None:
@@ -86,7 +86,7 @@ def test_panels_by_halves_hold_each_half_of_the_columns_in_address_order() -> No
             torch.testing.assert_close(
                 panels[p, h], whole[p, :, h * half : (h + 1) * half], rtol=0, atol=0
             )
-    assert to_panels(weight).equal(panels if cpu_kernel.panel_halves() else whole)
+    assert to_panels(weight).equal(panels if cpu_build.panel_halves() else whole)
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 2, 3, 5, 6, 7, 8, 9, 31, 64, 65, 96, 200])
@@ -154,7 +154,7 @@ def test_linear_panels_refuses_what_it_does_not_take() -> None:
         op(x, panels.transpose(1, 2).contiguous(), None, 50)
     with pytest.raises(RuntimeError, match="in panels of 48"):
         op(x, panels.transpose(0, 1), None, 50)  # not contiguous
-    other = to_panels(_weight(50, 4, seed=2), halves=not cpu_kernel.panel_halves())
+    other = to_panels(_weight(50, 4, seed=2), halves=not cpu_build.panel_halves())
     with pytest.raises(RuntimeError, match="in panels of 48"):
         op(x, other, None, 50)  # the other build's layout
     with pytest.raises(RuntimeError, match="takes float32 or bfloat16"):

@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
-from tandem.scheduler import Engine, wiring
+from tandem.scheduler import Engine
+from tandem.scheduler.engine import wiring
 
 # What both scripts below start with: the setting's function and a resident-bytes probe.
 _PRELUDE = """
 import os, sys, threading
 import torch
-from tandem.scheduler.cpu_malloc import keep_freed_memory
+from tandem.scheduler.engine.cpu_malloc import keep_freed_memory
 page = os.sysconf("SC_PAGE_SIZE")
 def resident():
     with open("/proc/self/statm") as f:

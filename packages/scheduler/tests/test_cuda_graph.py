@@ -12,7 +12,7 @@ import torch
 
 from tandem.scheduler import Engine, EngineConfig
 from tandem.scheduler.attention.torch_backend import TorchAttention
-from tandem.scheduler.cuda_graph import DecodeGraphRunner, capture_sizes
+from tandem.scheduler.runner.cuda_graph import DecodeGraphRunner, capture_sizes
 
 
 def test_capture_sizes_step_up_and_end_at_the_largest() -> None:

@@ -17,7 +17,7 @@ from tandem.scheduler.attention import decode_stage
 from tandem.scheduler.attention.decode_stage import DecodeStage, capacity_for, stage_fits
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
-from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool
+from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool
 
 # Output lengths that differ, so the batch loses a request every few steps and the stage
 # restarts; one long enough to outgrow the first stage's capacity (128 keys of room).

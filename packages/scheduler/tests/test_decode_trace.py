@@ -15,7 +15,7 @@ import torch
 
 from tandem.scheduler import Engine
 from tandem.scheduler.attention.torch_backend import StagedDecode
-from tandem.scheduler.decode_trace import DecodeTrace
+from tandem.scheduler.runner.decode_trace import DecodeTrace
 
 # Lengths that differ, so requests leave one by one and the replayed batch shrinks;
 # the longest outgrows a stage's capacity (128 keys of room) twice.

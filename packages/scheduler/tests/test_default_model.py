@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tandem.scheduler import default_model
-from tandem.scheduler.default_model import (
+from tandem.scheduler.models import tiny as default_model
+from tandem.scheduler.models.tiny import (
     BOS_TOKEN,
     DEFAULT_MODEL_NAME,
     END_OF_TEXT_TOKEN,
@@ -25,7 +25,7 @@ from tandem.scheduler.default_model import (
     is_complete,
     write_default_model,
 )
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.text.tokenizer import Tokenizer
 
 EXPECTED_FILES = {
     ".tandem-complete",
@@ -98,7 +98,7 @@ def test_racing_processes_agree_and_leave_no_debris(tmp_path: Path, model_dir: P
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from tandem.scheduler.default_model import default_model_path, write_default_model\n"
+        "from tandem.scheduler.models.tiny import default_model_path, write_default_model\n"
         "print('ready', flush=True)\n"
         f"while not Path({str(go)!r}).exists(): time.sleep(0.001)\n"
         f"print(default_model_path(Path({str(tmp_path)!r})))\n"

@@ -11,9 +11,9 @@ from byte_fallback import sentencepiece_backend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.detokenizer import IncrementalDetokenizer
-from tandem.scheduler.tokenizer import SpecialTokens, Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.detokenizer import IncrementalDetokenizer
+from tandem.scheduler.text.tokenizer import SpecialTokens, Tokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -195,7 +195,7 @@ def test_stop_checker_without_stop_strings_decodes_on_demand(
 ) -> None:
     """No stop string to scan for: feeding tokens decodes nothing; the text asked for
     at the end is the whole decode, exactly as a token-by-token checker gives it."""
-    from tandem.scheduler.stop import StopChecker
+    from tandem.scheduler.text.stop import StopChecker
 
     ids = byte_tokenizer.encode(text)
     counting = _CountingTokenizer(byte_tokenizer)

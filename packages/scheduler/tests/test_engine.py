@@ -216,7 +216,7 @@ def test_stop_token_ids_and_eos(checkpoints: dict[str, Path]) -> None:
 
 
 def test_stop_strings_are_trimmed_and_streaming_matches(tmp_path: Path) -> None:
-    from tandem.scheduler.default_model import default_model_path
+    from tandem.scheduler.models.tiny import default_model_path
 
     path = default_model_path(tmp_path)
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -354,7 +354,7 @@ def test_async_streams_share_one_loop(checkpoints: dict[str, Path]) -> None:
 def test_skip_tokenizer_init_runs_on_ids_alone(tmp_path: Path) -> None:
     """SGLang's ``skip_tokenizer_init``: the same ids as with a tokenizer, no text, and
     clear errors for what needs one (text prompts, stop strings); the eos ids stay."""
-    from tandem.scheduler.default_model import default_model_path
+    from tandem.scheduler.models.tiny import default_model_path
 
     path = default_model_path(tmp_path)
     params = {"max_new_tokens": 12, "temperature": 0}

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tandem.scheduler.config import EngineConfig
-from tandem.scheduler.engine_loop import ADMISSION_WINDOW_SPAN, EngineLoop
-from tandem.scheduler.streams import Waiter
+from tandem.scheduler.engine.delivery import Waiter
+from tandem.scheduler.engine.loop import ADMISSION_WINDOW_SPAN, EngineLoop
 
 
 @dataclass

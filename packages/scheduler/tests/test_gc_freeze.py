@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from tandem.scheduler.gc_freeze import freeze_long_lived
+from tandem.scheduler.engine.gc_freeze import freeze_long_lived
 
 
 class _Node:

@@ -33,7 +33,6 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem.scheduler import Engine
-from tandem.scheduler.default_model import byte_alphabet, cache_root
 from tandem.scheduler.models import CausalLM, ModelConfig, gguf_file, load_model
 from tandem.scheduler.models.gguf_file import (
     GGUFSource,
@@ -44,7 +43,9 @@ from tandem.scheduler.models.gguf_file import (
 )
 from tandem.scheduler.models.rope import compute_inv_freq
 from tandem.scheduler.models.tensor_parallel import TensorParallel
+from tandem.scheduler.models.tiny import cache_root
 from tandem.scheduler.models.weights import GGUF_JSON
+from tandem.scheduler.text.tokenizer import byte_alphabet
 
 Q = GGMLQuantizationType
 # Every row length a multiple of 256, the K-quants' block.

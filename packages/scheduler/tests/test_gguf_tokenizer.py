@@ -23,7 +23,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from tandem.scheduler.models.gguf_tokenizer import GGUFTokenizerInfo, write_gguf_tokenizer
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.text.tokenizer import Tokenizer
 
 # English, code, unicode, emoji, whitespace runs, newlines, contractions, chat markup.
 TEXTS = (

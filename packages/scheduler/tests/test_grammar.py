@@ -20,13 +20,13 @@ import torch
 from byte_fallback import sentencepiece_backend
 from tokenizers import AddedToken
 
-from tandem.scheduler.default_model import (
+from tandem.scheduler.models.tiny import (
     BOS_TOKEN,
     IM_START_TOKEN,
     default_model_path,
 )
-from tandem.scheduler.grammar import GrammarBackend, GrammarMatcher, apply_bitmask
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.sampling.grammar import GrammarBackend, GrammarMatcher, apply_bitmask
+from tandem.scheduler.text.tokenizer import Tokenizer
 
 PADDING = 5  # the model's vocabulary is wider than the tokenizer's
 

@@ -12,8 +12,8 @@ import pytest
 
 from tandem.futuremap import HostStream
 from tandem.scheduler import Engine
-from tandem.scheduler.cpu_step import Handoff, StepDone
-from tandem.scheduler.model_runner import ModelRunner
+from tandem.scheduler.runner.cpu_step import Handoff, StepDone
+from tandem.scheduler.runner.model_runner import ModelRunner
 
 
 def test_nothing_queued_sets_the_event_when_the_batch_ends() -> None:

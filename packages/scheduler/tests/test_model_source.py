@@ -19,7 +19,6 @@ import gguf
 import numpy as np
 import pytest
 
-from tandem.scheduler.default_model import DEFAULT_MODEL_NAME, byte_alphabet, is_complete
 from tandem.scheduler.models import fetch
 from tandem.scheduler.models.fetch import FetchError, PackagedModel, fetch_packaged_model
 from tandem.scheduler.models.gguf_file import GGUF_JSON, gguf_folder
@@ -29,6 +28,8 @@ from tandem.scheduler.models.source import (
     resolve_model,
     resolve_tokenizer,
 )
+from tandem.scheduler.models.tiny import DEFAULT_MODEL_NAME, is_complete
+from tandem.scheduler.text.tokenizer import byte_alphabet
 
 
 # -- local forms -------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.scheduler.attention.cpu_kernel import load_cpu_kernels
-from tandem.scheduler.default_model import cache_root
+from tandem.scheduler.kernels.cpu_build import load_cpu_kernels
 from tandem.scheduler.models import (
     SUPPORTED_ARCHITECTURES,
     CausalLM,
@@ -23,6 +22,7 @@ from tandem.scheduler.models import (
     load_model,
     resolve_dtype,
 )
+from tandem.scheduler.models.tiny import cache_root
 from tandem.scheduler.models.weights import dummy_tensor
 
 pytest.importorskip("transformers")
@@ -94,7 +94,7 @@ def test_logits_match_transformers(tmp_path: Path, family: str, kv_ratio: int) -
 @pytest.mark.parametrize("family", ref.FAMILIES)
 def test_logits_match_transformers_with_the_fused_cpu_ops(tmp_path: Path, family: str) -> None:
     """The model's RMSNorm (q/k norms included), SiLU-and-multiply and rotary embedding
-    run by tandem's fused CPU ops (``models/cpu_fused.cpp``)."""
+    run by tandem's fused CPU ops (``kernels/cpu_fused.cpp``)."""
     assert load_cpu_kernels(cache_root() / "kernels")
     seed = 2000 + ref.FAMILIES.index(family)
     path = ref.make_family(family, tmp_path, seed=seed, kv_ratio=2)

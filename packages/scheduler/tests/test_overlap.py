@@ -325,7 +325,7 @@ def test_a_full_pool_is_evicted_ahead_not_once_per_request(
     """Once the KV pool is full of cached prefixes, a step's allocations evict ahead
     (a page per row) instead of walking the radix tree once per request: at most one
     eviction per scheduled batch."""
-    from tandem.scheduler.radix_cache import RadixCache
+    from tandem.scheduler.kv.radix_cache import RadixCache
 
     calls = []
     original = RadixCache.evict

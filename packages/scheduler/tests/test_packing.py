@@ -13,7 +13,7 @@ import torch
 from reference_models import DenseCausalAttention, tiny_model_config
 from torch import nn
 
-from tandem.scheduler.attention import cpu_kernel
+from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models import CausalLM, ModelConfig, load_model
 from tandem.scheduler.models.packing import (
     ONEDNN_MIN_HIDDEN,
@@ -134,7 +134,7 @@ def test_packing_warns_where_onednn_cannot_multiply_the_dtype(
         model.pack()
     warned = [m for r in caplog.records if "oneDNN cannot multiply" in (m := r.getMessage())]
     # Not where tandem's product takes bfloat16 in oneDNN's place (AVX2).
-    panels = dtype == torch.bfloat16 and cpu_kernel.bf16_panels()
+    panels = dtype == torch.bfloat16 and cpu_build.bf16_panels()
     assert bool(warned) == (not onednn_available(dtype) and not panels)
     if warned:
         assert str(dtype).removeprefix("torch.") in warned[0]

@@ -17,8 +17,8 @@ from engine_checks import idle_clean
 from reference_models import VOCAB, load_reference
 
 from tandem.scheduler import Engine
-from tandem.scheduler.intake import Intake
-from tandem.scheduler.streams import with_logprob_text
+from tandem.scheduler.engine.delivery import with_logprob_text
+from tandem.scheduler.engine.intake import Intake
 
 TOL = 1e-4  # absolute, on logprobs: float32 both sides, different kernels
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tandem.scheduler.radix_cache import PrefixMatch, RadixCache, RadixNode
+from tandem.scheduler.kv.radix_cache import PrefixMatch, RadixCache, RadixNode
 
 PAGE_SIZES = [1, 4, 16]
 

@@ -3,8 +3,8 @@ drives them, in random interleavings, against a plain-Python model.
 
 A request is admitted (match a prefix capped at ``len - 1``, lock it, ``ledger.hold`` the
 matched pages, reserve its first chunk, evicting ahead when the pool is short), has
-batches launched that write its private pages (``ledger.launch``) and landed
-(``ledger.land``), and finishes (``ledger.adopt`` + ``insert`` of the whole pages of some
+batches launched that write its private pages (``ledger.launch``) and settled
+(``ledger.settle``), and finishes (``ledger.adopt`` + ``insert`` of the whole pages of some
 computed prefix, ``ledger.free`` of the rest, ``ledger.unhold`` + ``unlock``). Plain
 matches, bare locks, evictions, idle drains and resets come in between, and so do
 forbidden hand-overs, which the ledger must refuse without changing its state.
@@ -31,12 +31,12 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tandem.scheduler.memory import KVLayout, PagedKVPool
-from tandem.scheduler.page_ledger import CACHE, PageLedger, PageOwnershipError
-from tandem.scheduler.radix_cache import PrefixMatch, RadixCache, RadixNode
+from tandem.scheduler.kv.page_ledger import CACHE, PageLedger, PageOwnershipError
+from tandem.scheduler.kv.pools import KVLayout, PagedKVPool
+from tandem.scheduler.kv.radix_cache import PrefixMatch, RadixCache, RadixNode
 from tandem.scheduler.request import Request
 from tandem.scheduler.sampling import SamplingParams
-from tandem.scheduler.stop import StopChecker
+from tandem.scheduler.text.stop import StopChecker
 
 Prefix = tuple[int, ...]
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
@@ -95,7 +95,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
         self.content: list[Prefix | None] = [None] * num_pages  # what each page holds
         self.live: list[Request] = []
         self.handles: list[tuple[RadixNode, Prefix]] = []  # bare locks, no request
-        self.batches: deque[tuple[int, list[Request]]] = deque()  # launched, not landed
+        self.batches: deque[tuple[int, list[Request]]] = deque()  # launched, not settled
         self.steps = 0
         self.rids = itertools.count()
         self.history: list[list[int]] = []
@@ -237,7 +237,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
 
     def _land_oldest(self) -> None:
         step, reqs = self.batches.popleft()
-        self.ledger.land(step, reqs)
+        self.ledger.settle(step, reqs)
         for req in reqs:
             req.in_flight -= 1
 
@@ -307,7 +307,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def run_to_end(self, data: st.DataObject) -> None:
-        """Land what a request has in flight, write the rest of it in one batch, land
+        """Settle what a request has in flight, write the rest of it in one batch, settle
         that, and (usually) finish it: whole sequences reach the cache."""
         req = self.live[data.draw(st.integers(0, len(self.live) - 1), label="req")]
         while req.in_flight:
@@ -350,7 +350,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.batches))
     @rule()
-    def land(self) -> None:
+    def settle(self) -> None:
         self._land_oldest()
 
     @precondition(lambda self: any(r.in_flight == 0 for r in self.live))
@@ -482,7 +482,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
             req = pick(data, live, "req")
             mine = {step for step, reqs in self.batches if any(r is req for r in reqs)}
             step = pick(data, [s for s in range(self.steps + 2) if s not in mine], "step")
-            return lambda: ledger.land(step, [req])
+            return lambda: ledger.settle(step, [req])
 
         applicable = {
             "free another request's page": private and len(live) >= 2,
@@ -496,7 +496,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
             "take a page that is not free": live,
             "hold a page the cache does not own": live and (private or free),
             "unhold a page never held": live,
-            "land a batch not in flight": live,
+            "settle a batch not in flight": live,
         }
         drawers = {
             "free another request's page": free_foreign,
@@ -510,7 +510,7 @@ class RadixLedgerMachine(RuleBasedStateMachine):
             "take a page that is not free": take_taken,
             "hold a page the cache does not own": hold_uncached,
             "unhold a page never held": unhold_unheld,
-            "land a batch not in flight": land_unknown,
+            "settle a batch not in flight": land_unknown,
         }
         return {name: drawers[name] for name, ok in applicable.items() if ok}
 

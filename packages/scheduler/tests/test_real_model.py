@@ -14,7 +14,7 @@ import torch
 from engine_checks import idle_clean
 
 from tandem.scheduler import Engine
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.text.tokenizer import Tokenizer
 
 # A shared system turn, so that the radix cache holds a prefix the later prompts reuse.
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely."

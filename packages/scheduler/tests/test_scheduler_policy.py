@@ -6,7 +6,7 @@ reads, for every position below its prefix length, KV slots holding exactly the 
 of its sequence (the prompt, then the outputs the token function gives), writes only
 the positions the batch extends, that prefill tokens are that sequence and that the
 sampling step index is the output index. Rows are reused only after every batch that
-used them has landed. Each test ends with the scheduler idle, ``check_accounting``
+used them has settled. Each test ends with the scheduler idle, ``check_accounting``
 passing (``strict_accounting=True`` also runs it and the page ledger at each idle),
 every row free and no KV page lost.
 """
@@ -24,18 +24,18 @@ import torch
 from tandem.futuremap import HostEvent, Work
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.forward_batch import ForwardMode
-from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool
+from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool
 from tandem.scheduler.messages import (
     LaunchedBatch,
-    SamplingSpec,
+    SamplingInputs,
     ScheduledBatch,
     StepResult,
     Update,
 )
 from tandem.scheduler.request import Request
 from tandem.scheduler.sampling import SamplingParams
-from tandem.scheduler.scheduler import Scheduler
-from tandem.scheduler.stop import StopChecker
+from tandem.scheduler.schedule.scheduler import Scheduler
+from tandem.scheduler.text.stop import StopChecker
 
 EOS = 2
 STOP = 7  # a stop_token_ids entry in the tests that use one
@@ -74,7 +74,7 @@ class Launch:
     sample_rids: list[str]
     tokens: list[int]
     rows: list[int]
-    landed: bool = False
+    settled: bool = False
 
     def extend_of(self, rid: str) -> int:
         return self.extend_lens[self.rids.index(rid)]
@@ -88,7 +88,7 @@ class _LandingEvent(HostEvent):
         self.launch = launch
 
     def synchronize(self) -> None:
-        self.launch.landed = True
+        self.launch.settled = True
 
 
 @dataclass
@@ -115,6 +115,9 @@ class FakeRunner:
     def collect(self) -> None:
         pass
 
+    def share_masks(self, step: int, bitmask: torch.Tensor) -> None:
+        pass  # one rank: nobody to share with
+
     def register(self, req: Request) -> None:
         self._prompts[req.rid] = list(req.prompt_ids)
 
@@ -124,12 +127,12 @@ class FakeRunner:
 
     def discard_rows(self, rows: list[int]) -> None:
         for row in rows:
-            users = [b.step for b in self.launches if not b.landed and row in b.rows]
+            users = [b.step for b in self.launches if not b.settled and row in b.rows]
             assert not users, f"row {row} released while batches {users} still use it"
         self.discarded.extend(rows)
 
     def launch(
-        self, batch: ScheduledBatch, sampling: SamplingSpec | None, new_period: bool = False
+        self, batch: ScheduledBatch, sampling: SamplingInputs | None, new_period: bool = False
     ) -> LaunchedBatch:
         for row, col, slot in zip(
             batch.table_rows, batch.table_cols, batch.table_slots, strict=True
@@ -246,7 +249,7 @@ class Harness:
         assert self.runner.req_pool.available == self.runner.num_rows
         if self.config.disable_radix_cache:
             assert self.runner.kv_pool.available_pages == self.runner.num_pages - 1
-        assert all(b.landed for b in self.runner.launches)
+        assert all(b.settled for b in self.runner.launches)
         for rid, req in self.reqs.items():
             assert req.finished, rid
             assert req.row is None
@@ -533,21 +536,21 @@ def test_abort_while_decoding(overlap: bool) -> None:
 
 def test_abort_in_flight_first_prefill() -> None:
     """Overlap loop: abort right after the request's only batch was launched and before
-    it was processed; its row is released only after that batch lands."""
+    it was processed; its row is released only after that batch settles."""
     h = Harness(overlap=True)
     h.add("f", 5, max_new_tokens=4)
     h.step()
     [launch] = h.runner.launches
-    assert not launch.landed
+    assert not launch.settled
     assert h.reqs["f"].in_flight == 1
     assert h.sched.abort("f") is True
     assert h.reqs["f"].row is not None  # still used by the batch in flight
     updates = h.step()
-    assert launch.landed
+    assert launch.settled
     assert [(u.req.rid, u.new_ids, u.finished) for u in updates] == [("f", [], True)]
     h.run()
     _assert_aborted(h, "f")
-    assert h.reqs["f"].output_ids == []  # the token of the landed batch is dropped
+    assert h.reqs["f"].output_ids == []  # the token of the settled batch is dropped
     assert h.runner.discarded == [1]
 
 

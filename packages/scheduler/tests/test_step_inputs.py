@@ -12,7 +12,7 @@ import torch
 from tandem.scheduler import Engine
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
 from tandem.scheduler.messages import ScheduledBatch
-from tandem.scheduler.step_inputs import StepInputs
+from tandem.scheduler.runner.step_inputs import StepInputs
 
 WIDTH = 32  # req_to_token's row length
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.scheduler.stop import StopChecker, StopLimits, StopMatcher
+from tandem.scheduler.text.stop import StopChecker, StopLimits, StopMatcher
 
 
 class _Pieces:

@@ -24,10 +24,10 @@ from safetensors.torch import load_file
 
 from tandem.scheduler import Engine
 from tandem.scheduler.config import EngineConfig
-from tandem.scheduler.distributed import join
 from tandem.scheduler.models import ModelConfig, load_model
 from tandem.scheduler.models import weights as weights_module
 from tandem.scheduler.models.tensor_parallel import TensorParallel
+from tandem.scheduler.parallel.distributed import join
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 11], [7, 8], [300, 1, 64, 64, 64, 12, 9, 200, 31, 77, 18, 4, 6]]
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -208,7 +208,7 @@ def test_two_nodes_on_loopback(checkpoints: dict[str, Path]) -> None:
     cfg = EngineConfig.from_options({"model_path": str(path), **BASE, **options, "node_rank": 1})
     code = (
         "import sys, json; from tandem.scheduler.config import EngineConfig; "
-        "from tandem.scheduler.distributed import start_node; "
+        "from tandem.scheduler.parallel.distributed import start_node; "
         "sys.exit(start_node(EngineConfig.from_options(json.loads(sys.argv[1]))))"
     )
     node = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg.as_dict())])

@@ -12,8 +12,8 @@ import jinja2
 import pytest
 from tokenizers import AddedToken
 
-from tandem.scheduler.default_model import build_default_tokenizer
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import build_default_tokenizer
+from tandem.scheduler.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -355,7 +355,7 @@ def _forged(tokenizer: Tokenizer) -> None:
 
 
 def test_message_content_is_text_with_the_tiny_models_template() -> None:
-    from tandem.scheduler.default_model import default_model_path
+    from tandem.scheduler.models.tiny import default_model_path
 
     _forged(Tokenizer.from_pretrained(default_model_path()))
 

@@ -12,7 +12,7 @@ from test_attention import _batch
 
 from tandem.scheduler.attention.torch_backend import TorchAttention, _Plan
 from tandem.scheduler.forward_batch import ForwardBatch
-from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool
+from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool
 
 HEADS, DIM, LAYERS, PAGE = 4, 16, 2, 4
 SCALE = DIM**-0.5

@@ -22,9 +22,9 @@ from tandem.scheduler import Engine, attention
 from tandem.scheduler.attention import HeadShape, create_attention_backend
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.attention.triton_backend import TritonAttention
-from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.forward_batch import ForwardMode
-from tandem.scheduler.memory import KVLayout, PagedKVPool, ReqToTokenPool
+from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool
+from tandem.scheduler.models.tiny import default_model_path
 
 # The CPU runs the interpreter only where no GPU compiled the kernels.
 DEVICES = [pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -296,8 +296,8 @@ def test_engine_greedy_tokens_equal_torch_backend(default_model: Path, device: s
 def test_triton_rotary_matches_apply_rotary(device: str, head_dim: int, dtype: torch.dtype) -> None:
     """The one-launch rotary kernel computes ``apply_rotary``'s float32 formula exactly,
     for head counts and head dims that are not powers of two."""
+    from tandem.scheduler.kernels.triton_rope import rotary
     from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
-    from tandem.scheduler.models.triton_rope import rotary
 
     rope = RotaryEmbedding(head_dim, 4096, 500000.0, None).to(device)
     positions = torch.tensor([0, 3, 511, 4095, 17], device=device)

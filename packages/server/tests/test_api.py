@@ -18,8 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server, metric, metric_at_least
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server.app import served_name
 
 PROMPT = "Once upon a time"

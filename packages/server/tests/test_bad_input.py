@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import parsing, prepare
 from tandem.server.errors import APIError, install_handlers
 

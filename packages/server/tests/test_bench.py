@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tandem.server import bench
+from tandem.server.bench import offline as bench
 from tandem.server.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -47,7 +47,7 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 def _expected(*extra: str) -> list[int]:
     from tokenizers import Tokenizer
 
-    from tandem.scheduler.default_model import default_model_path
+    from tandem.scheduler.models.tiny import default_model_path
 
     args = bench.build_parser().parse_args(list(extra))
     tokenizer = Tokenizer.from_file(str(default_model_path() / "tokenizer.json"))
@@ -118,7 +118,7 @@ def test_sharegpt_needs_dataset() -> None:
 
 
 def test_compare_speculative_on_a_text_workload(tmp_path: Path, cache: Path) -> None:
-    from tandem.scheduler.default_model import default_model_path
+    from tandem.scheduler.models.tiny import default_model_path
     from tandem.spec_eagle import write_random_head
 
     head = write_random_head(default_model_path(cache_dir=cache), tmp_path / "head")

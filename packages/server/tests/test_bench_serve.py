@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server
 
-from tandem.server import bench_serve
+from tandem.server.bench import serve as bench_serve
 from tandem.server.cli import main
 
 KEYS = {

@@ -406,7 +406,7 @@ def test_tandem_scores_exactly_llama_perplexitys_positions() -> None:
     """On the tiny model: the logprobs of the second halves are those the engine gives
     the same positions when it scores every token of the chunk."""
     from tandem.scheduler import Engine
-    from tandem.server.perplexity import engine_scorer
+    from tandem.server.bench.perplexity import engine_scorer
 
     context, count = 16, 3
     text = "To be, or not to be, that is the question. " * 8

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import free_port
 
-from tandem.scheduler.default_model import tiny_model_path
+from tandem.scheduler.models.tiny import tiny_model_path
 from tandem.server.cli import build_parser, engine_kwargs, main, resolve_models
 
 SWITCHES = ("debug_futures", "compile_checks", "host_stream_max_delay_ms", "host_stream_seed")

@@ -24,9 +24,9 @@ from fastapi.testclient import TestClient
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tandem.scheduler.default_model import default_model_path
 from tandem.scheduler.disagg import Bootstrap
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import app as app_module
 from tandem.server import cli, protocol, scheduler_process
 from tandem.server.config import ServerConfig

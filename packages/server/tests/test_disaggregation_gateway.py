@@ -30,8 +30,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from repo_scripts import ROOT, load_module
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.tokenizer import Tokenizer
 
 pd_bench = load_module(ROOT / "tools" / "pd_bench.py", "pd_bench_under_test")
 MAX_TOKENS = 12

@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import live_server, process_alive, stream_in_background
 
-from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.models.tiny import default_model_path
 from tandem.server.config import ServerConfig
 from tandem.server.dp_client import (
     DIST_PORT_STRIDE,

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.tokenizer import Tokenizer
 
 TIMEOUT = 60
 TOL = 1e-4  # absolute, on logprobs

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from repo_scripts import ROOT, load_module
 from server_process import call_asgi
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import gateway
 from tandem.server.config import ServerConfig
 from tandem.server.errors import install_handlers

@@ -1,4 +1,4 @@
-"""``tandem bench perplexity``: the sliding-window scoring (``tandem.server.perplexity``)
+"""``tandem bench perplexity``: the sliding-window scoring (``tandem.server.bench.perplexity``)
 against a direct computation of Hugging Face's method, and the command end to end on
 the tiny model against transformers' own logits."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.server import perplexity
-from tandem.server.perplexity import Window, sliding_window_nll, windows
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.server.bench import perplexity
+from tandem.server.bench.perplexity import Window, sliding_window_nll, windows
 
 TEXT = (
     "Once upon a time there was a little house in the middle of a green forest, and in the "
@@ -132,7 +132,7 @@ def test_the_command_equals_transformers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``tandem bench perplexity --json`` on the tiny model, against transformers."""
-    from tandem.scheduler.tokenizer import Tokenizer
+    from tandem.scheduler.text.tokenizer import Tokenizer
 
     path = default_model_path(tmp_path)
     text_file = tmp_path / "text.txt"
@@ -175,7 +175,7 @@ def test_the_real_models_perplexity_equals_transformers_reading_the_same_gguf(
     transformers dequantizing the same file: within 1e-3 relative."""
     from tandem.scheduler.models.fetch import default_model_file
     from tandem.scheduler.models.source import resolve_model
-    from tandem.scheduler.tokenizer import Tokenizer
+    from tandem.scheduler.text.tokenizer import Tokenizer
 
     gguf = default_model_file()
     text_file = tmp_path / "text.txt"

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.scheduler.default_model import default_model_path
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server.app import _chat_prompt
 from tandem.server.config import ServerConfig
 from tandem.server.errors import APIError

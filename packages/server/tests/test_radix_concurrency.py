@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server, metric, metric_at_least
 
-from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.models.tiny import default_model_path
 
 MAX_NEW = 16
 TIE = 1e-4  # a token within this of the best reference logit is an honest greedy pick

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server, metric_at_least
 
-from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.models.tiny import default_model_path
 from tandem.spec_eagle import write_random_head
 
 PROMPT = "Once upon a time"

@@ -27,8 +27,8 @@ from xgrammar.testing import _is_grammar_accept_string
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server
 
-from tandem.scheduler.default_model import SPECIAL_TOKENS, build_default_tokenizer
-from tandem.scheduler.tokenizer import SpecialTokens, Tokenizer
+from tandem.scheduler.models.tiny import SPECIAL_TOKENS, build_default_tokenizer
+from tandem.scheduler.text.tokenizer import SpecialTokens, Tokenizer
 from tandem.server import app as app_module
 from tandem.server import parsing, structured, tool_calls
 from tandem.server.app import ServerState, _full_choice, _tool_deltas

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tandem.scheduler import Engine
-from tandem.scheduler.default_model import default_model_path
+from tandem.scheduler.models.tiny import default_model_path
 from tandem.spec_eagle import write_random_head
 
 SCHEMA = {

@@ -20,8 +20,8 @@ def test_importing_spec_eagle_pulls_no_server() -> None:
 
 def test_the_scheduler_never_imports_spec_eagle() -> None:
     code = (
-        "import sys, tandem.scheduler, tandem.scheduler.speculative\n"
-        "from tandem.scheduler.speculative import speculative_algorithms\n"
+        "import sys, tandem.scheduler, tandem.scheduler.speculative.interface\n"
+        "from tandem.scheduler.speculative.interface import speculative_algorithms\n"
         "assert {'EAGLE', 'EAGLE3'} <= set(speculative_algorithms())\n"
         "sys.exit(1 if 'tandem.spec_eagle' in sys.modules else 0)\n"
     )

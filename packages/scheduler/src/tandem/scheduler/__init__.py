@@ -8,7 +8,7 @@ when chosen.
 """
 
 from tandem.scheduler.config import EngineConfig
-from tandem.scheduler.engine import Engine
+from tandem.scheduler.engine.engine import Engine
 from tandem.scheduler.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams"]

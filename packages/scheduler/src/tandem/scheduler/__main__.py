@@ -1,7 +1,7 @@
-"""``python -m tandem.scheduler``: offline generation (see ``tandem.scheduler.cli``)."""
+"""``python -m tandem.scheduler``: offline generation (see ``tandem.scheduler.engine.cli``)."""
 
 import sys
 
-from tandem.scheduler.cli import main
+from tandem.scheduler.engine.cli import main
 
 sys.exit(main())

@@ -94,7 +94,7 @@ class EngineConfig:
             of being returned to the kernel and faulted in again (``cpu_malloc``).
         disable_cpu_decode_kernel: keep SDPA for float32 CPU decode attention (two
             matrix products for bfloat16) instead of tandem's C++ decode kernel
-            (``attention.cpu_kernel``; bfloat16 on CPUs with AVX512-BF16), which a CPU
+            (``kernels.cpu_build``; bfloat16 on CPUs with AVX512-BF16), which a CPU
             engine builds on its first start when a C++ compiler is on ``PATH``.
         disable_cpu_fused_ops: keep the torch formulas for a CPU model's RMSNorm,
             SiLU-and-multiply and rotary embedding instead of tandem's fused C++ ops

@@ -1,8 +1,9 @@
 """What the scheduler, the model runner and the engine hand each other, step by step.
 
-scheduler -> runner: a ``ScheduledBatch`` and its ``SamplingSpec`` (plain host data);
+scheduler -> runner: a ``ScheduledBatch`` and its ``SamplingInputs`` (plain host data);
 runner -> scheduler: a ``LaunchedBatch`` at once, its ``StepResult`` after copy-done;
 scheduler -> engine: one ``Update`` per request that produced something or ended.
+``Runner`` is all the scheduler knows of the model runner.
 docs/concepts/architecture.md follows one request through them.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,6 +20,7 @@ from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.sampling import SamplingBatchInfo, SamplingParams
 
 if TYPE_CHECKING:
+    from tandem.scheduler.kv.pools import PagedKVPool, ReqToTokenPool
     from tandem.scheduler.request import Request
 
 
@@ -154,7 +156,7 @@ class ScheduledBatch:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingSpec:
+class SamplingInputs:
     """Host-side sampling inputs of a batch's sampling rows, frozen at schedule time;
     the runner builds ``SamplingBatchInfo`` from it on the forward stream."""
 
@@ -165,7 +167,7 @@ class SamplingSpec:
     top_logprobs_num: list[int]  # how many top logprobs each wants
 
     @classmethod
-    def of(cls, batch: ScheduledBatch) -> SamplingSpec | None:
+    def of(cls, batch: ScheduledBatch) -> SamplingInputs | None:
         """``batch``'s sampling rows, frozen at launch; None when none samples."""
         reqs = batch.sampling_reqs
         if not reqs:
@@ -237,3 +239,26 @@ class Update:
     req: Request  # the request
     new_ids: list[int] = field(default_factory=list)  # tokens it received this step
     finished: bool = False  # whether it ended this step
+
+
+class _Collects(Protocol):
+    def collect(self) -> None: ...
+
+
+class Runner(Protocol):
+    """What the host-only policy needs of the model runner (``runner.ModelRunner``):
+    its pools, its vocabulary, and a way to launch a batch and share grammar masks."""
+
+    req_pool: ReqToTokenPool
+    kv_pool: PagedKVPool
+    vocab_size: int
+    masks_wait_on_stream: bool  # the forward stream itself waits for a batch's masks
+    timeline: _Collects
+
+    def launch(
+        self, batch: ScheduledBatch, sampling: SamplingInputs | None, new_period: bool = False
+    ) -> LaunchedBatch: ...
+
+    def discard_rows(self, rows: list[int]) -> None: ...
+
+    def share_masks(self, step: int, bitmask: torch.Tensor) -> None: ...

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.scheduler.sampling import SamplingParams
-from tandem.scheduler.stop import StopChecker
+from tandem.scheduler.text.stop import StopChecker
 
 
 @dataclass

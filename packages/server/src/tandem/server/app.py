@@ -21,9 +21,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tandem.scheduler.gc_freeze import freeze_long_lived
-from tandem.scheduler.stop import StopLimits
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.engine.gc_freeze import freeze_long_lived
+from tandem.scheduler.text.stop import StopLimits
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import gateway, openapi_schemas, parsing, prepare, structured, tool_calls
 from tandem.server.config import ServerConfig
 from tandem.server.dp_client import DataParallelClient
@@ -97,7 +97,7 @@ def ready_line(app: FastAPI, url: str) -> str:
 
 def started(app: FastAPI, url: str) -> str:
     """``tandem serve``'s API process has started: its long-lived heap is frozen
-    (``tandem.scheduler.gc_freeze``), and the ready line is returned."""
+    (``tandem.scheduler.engine.gc_freeze``), and the ready line is returned."""
     st: ServerState = app.state.tandem
     st.gc_frozen_objects = freeze_long_lived()
     return ready_line(app, url)

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one-off offline generation (see `tandem generate --help`)",
         add_help=False,
     )
-    from tandem.server import bench
+    from tandem.server.bench import offline as bench
 
     bench.build_parser(
         sub.add_parser(
@@ -256,7 +256,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     kwargs = resolve_models(parser, kwargs)
     engine_config = EngineConfig.from_options(kwargs)
     if engine_config.tp_size > 1:
-        from tandem.scheduler.distributed import check_ranks, start_node
+        from tandem.scheduler.parallel.distributed import check_ranks, start_node
 
         try:
             check_ranks(engine_config)
@@ -297,21 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv[:2] == ["bench", "serve"]:
-        from tandem.server import bench_serve
+        from tandem.server.bench import serve as bench_serve
 
         return bench_serve.main(argv[2:])
     if argv[:2] == ["bench", "perplexity"]:
-        from tandem.server import perplexity
+        from tandem.server.bench import perplexity
 
         return perplexity.main(argv[2:])
     if argv and argv[0] == "generate":
-        from tandem.scheduler import cli as offline
+        from tandem.scheduler.engine import cli as offline
 
         return offline.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from tandem.server import bench
+        from tandem.server.bench import offline as bench
 
         bench_parser = parser._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
         return bench.run(args, bench_parser, argv[1:])

@@ -20,8 +20,8 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from tandem.scheduler.counters import Counters
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.schedule.counters import Counters
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server.scheduler_client import RequestFailed, SchedulerClient, SchedulerUnavailable
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.scheduler.detokenizer import IncrementalDetokenizer
 from tandem.scheduler.sampling import SamplingParams
-from tandem.scheduler.stop import StopChecker
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.text.detokenizer import IncrementalDetokenizer
+from tandem.scheduler.text.stop import StopChecker
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server.errors import APIError
 from tandem.server.metrics import Metrics
 from tandem.server.parsing import Job

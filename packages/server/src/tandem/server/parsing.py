@@ -17,7 +17,7 @@ from typing import Any
 
 from tandem.scheduler.sampling import SamplingParams
 from tandem.scheduler.sampling.params import GRAMMAR_KINDS
-from tandem.scheduler.stop import StopLimits
+from tandem.scheduler.text.stop import StopLimits
 from tandem.server.errors import APIError
 
 # Engine names -> the OpenAI names a client sent.

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server.errors import APIError
 
 T = TypeVar("T")

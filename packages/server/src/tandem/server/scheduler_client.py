@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from tandem.scheduler.tokenizer import Tokenizer
+from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import protocol, scheduler_process
 
 log = logging.getLogger(__name__)

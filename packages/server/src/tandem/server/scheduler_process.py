@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from tandem.scheduler.disagg import Bootstrap
-from tandem.scheduler.gc_freeze import freeze_long_lived
+from tandem.scheduler.engine.gc_freeze import freeze_long_lived
 from tandem.server import protocol
 
 log = logging.getLogger(__name__)

@@ -3,13 +3,13 @@ verify -> publish -> draft-extend -> stash), chain or tree, one or several draft
 layers, EAGLE and EAGLE-3 heads in their public checkpoint formats.
 
 It plugs into the scheduler through its speculative-worker interface
-(``tandem.scheduler.speculative``) under the entry-point names ``EAGLE`` and
+(``tandem.scheduler.speculative.interface``) under the entry-point names ``EAGLE`` and
 ``EAGLE3``; the scheduler never imports this package. Turn it on with the ``Engine``
 options ``speculative_algorithm`` and ``speculative_draft_model_path`` (a head's
 folder); docs/guides/speculative-decoding.md has a quick start.
 """
 
-from tandem.scheduler.speculative import register_speculative_algorithm
+from tandem.scheduler.speculative.interface import register_speculative_algorithm
 from tandem.spec_eagle.draft_config import DraftConfig, default_aux_layers
 from tandem.spec_eagle.draft_model import EagleDraftModel, load_draft_model
 from tandem.spec_eagle.random_head import write_random_head

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.scheduler.memory import KVLayout
+from tandem.scheduler.kv.pools import KVLayout
 
 
 class DraftKVCache:

@@ -20,11 +20,11 @@ from tandem.futuremap import RelayField
 from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
-from tandem.scheduler.memory import KVLayout
+from tandem.scheduler.kv.pools import KVLayout
 from tandem.scheduler.messages import GrammarMasks
 from tandem.scheduler.sampling import SamplingBatchInfo, SamplingParams
 from tandem.scheduler.sampling.sampler import filtered_probs
-from tandem.scheduler.speculative import (
+from tandem.scheduler.speculative.interface import (
     PrefillDraftInput,
     SpecDecodeInput,
     SpecDecodeOutput,
@@ -368,7 +368,7 @@ def _mask_tree(tree: DraftTree, logits: torch.Tensor, masks: GrammarMasks) -> No
     write the mask, roll back. A node whose path the grammar refuses is left unmasked:
     verification stops before it anyway, at the parent whose masked logits cannot pick
     the refused token. The matchers come back as they were handed over."""
-    from tandem.scheduler.grammar import apply_bitmask  # xgrammar: on first use
+    from tandem.scheduler.sampling.grammar import apply_bitmask  # xgrammar: on first use
 
     masks.ready.wait()  # the host has processed every step before this one
     assert masks.matchers is not None

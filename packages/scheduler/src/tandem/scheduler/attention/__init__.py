@@ -56,7 +56,7 @@ def create_attention_backend(
     ``triton_interpret``: Triton runs in its interpreter, which lets ``triton`` run on
     a CPU; ``None`` reads ``TRITON_INTERPRET`` (``read_env``). ``decode_kernel``: the
     ``torch`` backend attends float32 CPU decode steps with
-    ``torch.ops.tandem.decode_attention`` (``attention.cpu_kernel``, loaded already)."""
+    ``torch.ops.tandem.decode_attention`` (``kernels.cpu_build``, loaded already)."""
     if name == "torch":
         from tandem.scheduler.attention.torch_backend import TorchAttention
 

@@ -15,9 +15,9 @@ from typing import Protocol
 
 import torch
 
-from tandem.scheduler.casting import as_dtype
+from tandem.scheduler.attention.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch
-from tandem.scheduler.memory import KVLayout
+from tandem.scheduler.kv.pools import KVLayout
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def write_kv_buffers(
 
 
 def native_store(k_buf: torch.Tensor, k: torch.Tensor, out_cache_loc: torch.Tensor) -> bool:
-    """Whether ``torch.ops.tandem.store_kv`` (``attention/cpu_decode.cpp``, loaded with
+    """Whether ``torch.ops.tandem.store_kv`` (``kernels/cpu_decode.cpp``, loaded with
     the CPU kernels) writes this layer's K/V: one pass over the new rows in place of an
     ``index_copy_`` per buffer, K and V already in the cache's dtype (measurements:
     docs/benchmarks.md, Measurements behind the code)."""

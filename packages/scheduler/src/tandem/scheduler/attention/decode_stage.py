@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.scheduler.casting import as_dtype
+from tandem.scheduler.attention.casting import as_dtype
 
 if TYPE_CHECKING:
     from tandem.scheduler.attention.base import KVCacheView
-    from tandem.scheduler.memory import KVLayout
+    from tandem.scheduler.kv.pools import KVLayout
 
 MAX_BYTES = 1 << 30
 """Largest stage, every layer's keys and values together, in bytes. A continued stage

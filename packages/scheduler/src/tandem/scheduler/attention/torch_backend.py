@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.scheduler.attention import cpu_kernel
 from tandem.scheduler.attention.base import (
     AttentionBackend,
     KVCacheView,
@@ -25,14 +24,15 @@ from tandem.scheduler.attention.base import (
     write_kv,
     write_kv_buffers,
 )
+from tandem.scheduler.attention.casting import as_dtype
 from tandem.scheduler.attention.decode_stage import (
     DecodeStage,
     append_to_stage,
     capacity_for,
     stage_fits,
 )
-from tandem.scheduler.casting import as_dtype
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
+from tandem.scheduler.kernels import cpu_build
 
 
 @dataclass
@@ -135,7 +135,7 @@ class TorchAttention(AttentionBackend):
         (a debug invariant): every step that continues the stage first checks that the
         stage still equals the paged cache (``DecodeStage.check``). ``decode_kernel``:
         CPU decode steps attend with ``torch.ops.tandem.decode_attention``
-        (``attention.cpu_kernel``, registered by the caller) instead of SDPA (float32)
+        (``kernels.cpu_build``, registered by the caller) instead of SDPA (float32)
         or two matrix products (bfloat16)."""
         self.kv_cache = kv_cache
         self.req_to_token = req_to_token
@@ -320,7 +320,7 @@ def _kernel_fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> b
     bfloat16 with heads of a multiple of 32 elements (at most 256) and at most 8 query
     heads per KV head (``bf16_kernel_fits``); K and V laid out alike (the stage, or the
     gathered pages seen as ``[B, Hkv, L, D]``), each head's elements contiguous. It
-    takes bfloat16 only where the build has AVX512-BF16 (``cpu_kernel.bf16_kernels``);
+    takes bfloat16 only where the build has AVX512-BF16 (``cpu_build.bf16_kernels``);
     elsewhere ``_grouped_decode`` hands it the operands widened to float32."""
     dtype = keys.dtype
     if dtype == torch.bfloat16:
@@ -384,7 +384,7 @@ def _grouped_decode(
     take two matrix products instead of SDPA (``_whole_stage``). Returns ``[B, H * D]``."""
     b, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
-    bf16_path = cpu_kernel.bf16_kernels() and _kernel_fits(q, keys, values)
+    bf16_path = cpu_build.bf16_kernels() and _kernel_fits(q, keys, values)
     if kernel and keys.dtype == torch.bfloat16 and not bf16_path:
         # No bfloat16 kernel in this build (no AVX512-BF16), or heads its bfloat16 path
         # does not take: the float32 kernel over the operands widened (exactly), its

@@ -1,7 +1,7 @@
 """The ``triton`` attention backend: paged attention in Triton kernels, on CUDA and
 ROCm (and on a CPU under ``TRITON_INTERPRET=1``, for tests).
 
-The kernels (``triton_kernels``) read K/V in place through the request-to-token table,
+The kernels (``kernels.triton_attention``) read K/V in place through the request-to-token table,
 so ``TritonAttention.plan`` builds almost nothing. A decode plan never touches host
 lengths, which makes a decode forward capturable in a CUDA graph; extend plans
 (prefill, mixed) size their grid from the host lists and are never captured. This
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.scheduler.attention import triton_kernels as kernels
 from tandem.scheduler.attention.base import (
     AttentionBackend,
     HeadShape,
@@ -24,6 +23,7 @@ from tandem.scheduler.attention.base import (
     write_kv,
 )
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
+from tandem.scheduler.kernels import triton_attention as kernels
 
 DEFAULT_KV_SPLITS = 8
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tandem.scheduler.disagg.transfer import Region
-from tandem.scheduler.memory import PagedKVPool
+from tandem.scheduler.kv.pools import PagedKVPool
 
 
 def buffers(pool: PagedKVPool) -> list[torch.Tensor]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.disagg import layout
 from tandem.scheduler.disagg.bootstrap import Inbox
-from tandem.scheduler.disagg.decode import DecodeSide
-from tandem.scheduler.disagg.prefill import PrefillSide
+from tandem.scheduler.disagg.decode_side import DecodeSide
+from tandem.scheduler.disagg.prefill_side import PrefillSide
 from tandem.scheduler.disagg.transfer import make_transport
-from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.schedule.scheduler import Scheduler
 
 
 def disaggregate(config: EngineConfig, scheduler: Scheduler) -> PrefillSide | DecodeSide:

@@ -5,8 +5,8 @@ brings the gguf library, which this package does not import until a GGUF is load
 
 from __future__ import annotations
 
-from tandem.scheduler.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tandem.scheduler.models.decoder import CausalLM
+from tandem.scheduler.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tandem.scheduler.models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, apply_rotary
 from tandem.scheduler.models.weights import (
     LOAD_FORMATS,

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.scheduler.attention import cpu_kernel, triton_available
+from tandem.scheduler.attention import triton_available
 from tandem.scheduler.attention.base import AttentionBackend
-from tandem.scheduler.casting import as_dtype
-from tandem.scheduler.models.config import ModelConfig
+from tandem.scheduler.attention.casting import as_dtype
+from tandem.scheduler.kernels import cpu_build
+from tandem.scheduler.models.model_config import ModelConfig
 from tandem.scheduler.models.packing import (
     ONEDNN_MIN_HIDDEN,
     PackedLinear,
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 def _fused_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether tandem's fused CPU ops (``models/cpu_fused.cpp``) take ``x``: a CPU
+    """Whether tandem's fused CPU ops (``kernels/cpu_fused.cpp``) take ``x``: a CPU
     tensor of float32 or bfloat16, ``others`` of its dtype."""
     return (
         x.device.type == "cpu"
@@ -59,13 +60,13 @@ def _rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False
 ) -> torch.Tensor:
     """``apply_rotary``; on CUDA/ROCm with Triton installed, the same formula in one
-    kernel launch (``models.triton_rope``); with ``fused`` on the CPU, in one pass
+    kernel launch (``kernels.triton_rope``); with ``fused`` on the CPU, in one pass
     (``torch.ops.tandem.rotary``)."""
     if fused and _fused_fits(x):
         out: torch.Tensor = torch.ops.tandem.rotary(x, cos, sin)
         return out
     if x.is_cuda and _HAS_TRITON:
-        from tandem.scheduler.models.triton_rope import rotary
+        from tandem.scheduler.kernels.triton_rope import rotary
 
         return rotary(x, cos, sin)
     return apply_rotary(x, cos, sin)
@@ -351,8 +352,8 @@ class CausalLM(nn.Module):
     def use_fused_cpu_ops(self) -> None:
         """Run every layer's RMSNorm, SiLU-and-multiply and rotary embedding (and the
         final norm) with tandem's fused CPU ops, ``torch.ops.tandem.rms_norm``,
-        ``silu_mul`` and ``rotary`` (``models/cpu_fused.cpp``, registered by the
-        caller: see ``attention.cpu_kernel``). The same arithmetic in one pass each;
+        ``silu_mul`` and ``rotary`` (``kernels/cpu_fused.cpp``, registered by the
+        caller: see ``kernels.cpu_build``). The same arithmetic in one pass each;
         inputs the ops do not take keep the torch formulas. Float32 products with a
         oneDNN copy trade it for panels and tandem's own product, ``linear_panels``
         (``packing.with_panels``; call after ``pack``)."""
@@ -387,7 +388,7 @@ class CausalLM(nn.Module):
             onednn = column_major and self.config.hidden_size >= ONEDNN_MIN_HIDDEN
         dtype = self.lm_head.weight.dtype
         # Without oneDNN, tandem's product multiplies bfloat16 on AVX2 (with the fused ops).
-        panels = dtype == torch.bfloat16 and cpu_kernel.bf16_panels()
+        panels = dtype == torch.bfloat16 and cpu_build.bf16_panels()
         low = dtype in (torch.bfloat16, torch.float16)
         if cpu and low and not onednn_available(dtype) and not panels:
             log.warning(

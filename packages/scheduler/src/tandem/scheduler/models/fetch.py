@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.scheduler.default_model import build_once, cache_root
+from tandem.scheduler.models.tiny import build_once, cache_root
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from tandem.scheduler.default_model import build_once, write_json
-from tandem.scheduler.models.config import ModelConfig
 from tandem.scheduler.models.decoder import CausalLM
 from tandem.scheduler.models.gguf_tokenizer import write_gguf_tokenizer
+from tandem.scheduler.models.model_config import ModelConfig
 from tandem.scheduler.models.rope import compute_inv_freq
 from tandem.scheduler.models.tensor_parallel import TensorParallel
+from tandem.scheduler.models.tiny import build_once, write_json
 from tandem.scheduler.models.weights import GGUF_JSON, Shape, copy_shard
 
 ARCHITECTURE = "llama"

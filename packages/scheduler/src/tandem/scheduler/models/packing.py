@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.scheduler.attention import cpu_kernel
+from tandem.scheduler.kernels import cpu_build
 
 
 @dataclass(frozen=True)
@@ -146,16 +146,16 @@ def dense_up_to(dtype: torch.dtype, forward_threads: int) -> int:
 
 
 PANEL_COLUMNS = 48
-"""Output columns per panel of ``to_panels``: the width ``models/cpu_linear.cpp`` reads."""
+"""Output columns per panel of ``to_panels``: the width ``kernels/cpu_linear.cpp`` reads."""
 
 
 def panels_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether tandem's product is registered for ``dtype``: its CPU kernels are loaded
-    (``attention.cpu_kernel``) and were built with AVX2 and FMA or with AVX-512, which
-    the op needs for float32, and for bfloat16 (``cpu_kernel.bf16_panels``)."""
+    (``kernels.cpu_build``) and were built with AVX2 and FMA or with AVX-512, which
+    the op needs for float32, and for bfloat16 (``cpu_build.bf16_panels``)."""
     if not hasattr(torch.ops.tandem, "linear_panels"):
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_kernel.bf16_panels())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_build.bf16_panels())
 
 
 @torch.no_grad()
@@ -165,7 +165,7 @@ def to_panels(weight: torch.Tensor, halves: bool | None = None) -> torch.Tensor:
 
     float32: ``[ceil(out / PANEL_COLUMNS), in, PANEL_COLUMNS]``, panel ``p`` being
     columns ``p * PANEL_COLUMNS`` onwards of ``weight.t()``. With ``halves`` (default:
-    where the kernels are the AVX2 build, ``cpu_kernel.panel_halves``, whose tiles read
+    where the kernels are the AVX2 build, ``cpu_build.panel_halves``, whose tiles read
     24 columns at a time, and the only layout that build's op takes):
     ``[ceil(out / PANEL_COLUMNS), 2, in, PANEL_COLUMNS // 2]``, each panel's first half
     of its columns for every input, then its second. bfloat16:
@@ -178,7 +178,7 @@ def to_panels(weight: torch.Tensor, halves: bool | None = None) -> torch.Tensor:
     if weight.dtype != torch.bfloat16:
         padded = weight.new_zeros(count * PANEL_COLUMNS, cols)
         padded[:rows].copy_(weight)
-        if cpu_kernel.panel_halves() if halves is None else halves:
+        if cpu_build.panel_halves() if halves is None else halves:
             half = PANEL_COLUMNS // 2
             return padded.view(count, 2, half, cols).transpose(2, 3).contiguous()
         return padded.view(count, PANEL_COLUMNS, cols).transpose(1, 2).contiguous()
@@ -191,7 +191,7 @@ def to_panels(weight: torch.Tensor, halves: bool | None = None) -> torch.Tensor:
 
 def with_panels(packed: PackedLinear) -> PackedLinear:
     """``packed`` multiplying every batch with ``torch.ops.tandem.linear_panels``
-    (``models/cpu_linear.cpp``) over a copy of its weight in panels, in place of its
+    (``kernels/cpu_linear.cpp``) over a copy of its weight in panels, in place of its
     oneDNN copy (which it drops). In float32 that is faster than oneDNN at decode
     batches and as fast or faster for a prefill with AVX-512; with AVX2 faster at small
     batches, level at 64 tokens and a little slower for a long prefill. In bfloat16 on

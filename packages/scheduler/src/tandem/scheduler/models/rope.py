@@ -14,7 +14,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from tandem.scheduler.casting import as_dtype
+from tandem.scheduler.attention.casting import as_dtype
 
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

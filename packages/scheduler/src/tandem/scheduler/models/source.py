@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from tandem.scheduler.default_model import cache_root, tiny_model_folder
 from tandem.scheduler.models.fetch import DEFAULT_MODEL, fetch_packaged_model
+from tandem.scheduler.models.tiny import cache_root, tiny_model_folder
 
 TINY_MODEL = "tandem-tiny"
 """The name of the tiny random-weight test model (``default_model``)."""

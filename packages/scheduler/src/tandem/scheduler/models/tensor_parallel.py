@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.scheduler.models.config import ModelConfig
+from tandem.scheduler.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

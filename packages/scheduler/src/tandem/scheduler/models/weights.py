@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tandem.scheduler.models.config import ModelConfig
 from tandem.scheduler.models.decoder import CausalLM, RMSNorm
+from tandem.scheduler.models.model_config import ModelConfig
 from tandem.scheduler.models.tensor_parallel import SINGLE, TensorParallel
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")

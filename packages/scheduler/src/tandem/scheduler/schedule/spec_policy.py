@@ -1,0 +1,76 @@
+"""The scheduler's side of speculative decoding, in one place.
+
+A speculative step commits 1 to ``max_accept`` tokens and the host learns how many
+one step late, so ``Request.kv_len`` is an upper bound: launching adds
+``max_accept``, processing takes back what was not committed (``spec_committed`` is
+the processed truth). docs/concepts/overlap-loop.md explains why a step reserves KV
+``lookahead`` positions past that bound.
+"""
+
+from __future__ import annotations
+
+from tandem.scheduler.forward_batch import ForwardMode
+from tandem.scheduler.kv.resources import Resources
+from tandem.scheduler.messages import ScheduledBatch
+from tandem.scheduler.request import Request
+from tandem.scheduler.schedule.counters import Counters
+
+
+class SpecPolicy:
+    """Speculative rows, their commits, and the bound they keep on ``kv_len``."""
+
+    def __init__(
+        self, max_accept: int, lookahead: int, resources: Resources, counters: Counters
+    ) -> None:
+        self.max_accept = max_accept
+        self.lookahead = lookahead
+        self.resources = resources
+        self.counters = counters
+
+    def schedule(self, decodable: list[Request]) -> ScheduledBatch | None:
+        """One speculative row per decodable request that gets its KV.
+
+        The step starts from the true committed length ``L <= bound`` (the device
+        resolves it from the FutureMap) and writes KV at ``[L, L + lookahead)``, so
+        every position below ``bound + lookahead`` is reserved and mapped first:
+        whatever the step in flight commits, this one writes only into pages its
+        request holds. Rejected positions are overwritten by a later step.
+        """
+        batch = ScheduledBatch(ForwardMode.SPEC_DECODE)
+        for req in decodable:
+            bound = req.kv_len
+            end = bound + self.lookahead
+            if not self.resources.reserve(req, end):
+                continue
+            slots = self.resources.kv_pool.slots(req.pages, bound, end)
+            batch.sample_indices.append(batch.add(req, bound, self.max_accept, slots, False))
+            batch.spec_bounds.append(bound)
+            batch.spec_steps.append(req.spec_launched)
+            req.kv_len = bound + self.max_accept
+            req.scheduled_samples += 1  # a step yields at least one token
+            req.spec_launched += 1
+        return batch if batch.reqs else None
+
+    def prefilled(self, batch: ScheduledBatch, req: Request, end: int) -> None:
+        """A prefill chunk ending at ``end``: the draft reads the chunk shifted by one,
+        so it needs the token after it (a sampling request's sampled token replaces
+        this on the device)."""
+        batch.next_tokens.append(req.fill_ids[min(end, len(req.fill_ids) - 1)])
+        req.spec_committed = end
+
+    def commit(self, req: Request, tokens: list[int], accepted: int) -> list[int]:
+        """A processed step committed ``accepted`` of ``tokens``: the bound shrinks to
+        the truth. Returns the committed tokens."""
+        req.spec_verify_ct += 1
+        req.spec_committed += accepted
+        req.kv_len -= self.max_accept - accepted
+        req.scheduled_samples += accepted - 1
+        self.counters.spec_verify_steps += 1
+        self.counters.spec_committed_tokens += accepted
+        return tokens[:accepted]
+
+    @staticmethod
+    def truth(req: Request) -> None:
+        """Before freeing: positions past the processed truth hold rejected or
+        overshoot KV, which must not go into the radix cache."""
+        req.kv_len = req.spec_committed

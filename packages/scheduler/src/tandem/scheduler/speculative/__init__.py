@@ -1,0 +1,1 @@
+"""The speculative-decoding interface the runner drives, and the registry of algorithms."""

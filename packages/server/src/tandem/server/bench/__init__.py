@@ -1,0 +1,1 @@
+"""``tandem bench``: the offline engine benchmark, the serving benchmark and perplexity."""
