@@ -102,8 +102,8 @@ def registered_features(root: Path = ROOT) -> dict[str, re.Pattern[str]]:
         features[f"speculative algorithm {name!r}"] = re.compile(spelled)
 
     modules = {
-        "CUDA graphs": ("cuda_graph.py", r"\bCUDA graphs?\b"),
-        "the decode trace": ("decode_trace.py", r"\bdecode traces?\b"),
+        "CUDA graphs": ("runner/cuda_graph.py", r"\bCUDA graphs?\b"),
+        "the decode trace": ("runner/decode_trace.py", r"\bdecode traces?\b"),
     }
     for feature, (module, pattern) in modules.items():
         if (root / SCHEDULER_SRC.relative_to(ROOT) / module).is_file():
