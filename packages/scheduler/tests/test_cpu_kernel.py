@@ -25,12 +25,8 @@ import torch.nn.functional as F
 from tandem.scheduler import Engine
 from tandem.scheduler.attention import base as attention_base
 from tandem.scheduler.attention import torch_backend
+from tandem.scheduler.attention.cpu_decode import bf16_kernel_fits, grouped_decode, kernel_fits
 from tandem.scheduler.attention.decode_stage import append_to_stage
-from tandem.scheduler.attention.torch_backend import (
-    _grouped_decode,
-    _kernel_fits,
-    bf16_kernel_fits,
-)
 from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models.tiny import cache_root
 
@@ -98,8 +94,8 @@ def test_kernel_reads_the_gathered_pages_strides(kernel_dir: Path) -> None:
     q = torch.randn(3, 12 * 64 * 2, generator=gen)[:, : 12 * 64].view(3, 12, 64)
     assert not q.is_contiguous()
     bias = _bias([21, 5, 12], 21)
-    out = _grouped_decode(q, k, v, bias, 0.125, kernel=True)
-    expected = _grouped_decode(q, k, v, bias, 0.125, kernel=False)
+    out = grouped_decode(q, k, v, bias, 0.125, kernel=True)
+    expected = grouped_decode(q, k, v, bias, 0.125, kernel=False)
     assert (out - expected).abs().max().item() < 2e-6
 
 
@@ -127,13 +123,13 @@ def test_kernel_refuses_what_it_cannot_attend(kernel_dir: Path) -> None:
 def test_which_steps_the_kernel_takes(kernel_dir: Path) -> None:
     k = torch.randn(1, 1, 8, 32)
     q = torch.randn(1, 3, 32)
-    assert _kernel_fits(q, k, k)
-    assert _kernel_fits(q.bfloat16(), k.bfloat16(), k.bfloat16())
-    assert not _kernel_fits(q, k, k.transpose(2, 3).contiguous().transpose(2, 3))
-    assert not _kernel_fits(q.half(), k.half(), k.half())
+    assert kernel_fits(q, k, k)
+    assert kernel_fits(q.bfloat16(), k.bfloat16(), k.bfloat16())
+    assert not kernel_fits(q, k, k.transpose(2, 3).contiguous().transpose(2, 3))
+    assert not kernel_fits(q.half(), k.half(), k.half())
     narrow = k.bfloat16()[..., :16]
-    assert not _kernel_fits(q.bfloat16()[..., :16], narrow, narrow)  # D=16
-    assert not _kernel_fits(torch.randn(1, 9, 32).bfloat16(), k.bfloat16(), k.bfloat16())
+    assert not kernel_fits(q.bfloat16()[..., :16], narrow, narrow)  # D=16
+    assert not kernel_fits(torch.randn(1, 9, 32).bfloat16(), k.bfloat16(), k.bfloat16())
     assert bf16_kernel_fits(32, 8, 128)
     assert not bf16_kernel_fits(14, 2, 48)
     assert not bf16_kernel_fits(16, 1, 64)  # 16 query heads to a KV head
@@ -166,7 +162,7 @@ def test_bfloat16_kernel_equals_float64_attention(kernel_dir: Path, dim: int, gr
     assert out.dtype == torch.bfloat16
     assert out.shape == (len(lens), 2 * group * dim)
     want = _reference(q, k, v, bias)
-    products = _grouped_decode(q, k, v, bias, dim**-0.5, kernel=False)
+    products = grouped_decode(q, k, v, bias, dim**-0.5, kernel=False)
     error = (out.double() - want).abs().max().item()
     assert error <= max((products.double() - want).abs().max().item(), 2e-3)
     assert error < 1e-2
@@ -186,7 +182,7 @@ def test_bfloat16_decode_with_the_kernel_on_equals_float64_attention(
     lens = [1, 15, 16, 17, 33, 50]
     q, k, v, bias = _bf16_case(group, dim, lens, seed=7 * dim + group)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = _grouped_decode(q, k, v, bias, dim**-0.5, kernel=True)
+        out = grouped_decode(q, k, v, bias, dim**-0.5, kernel=True)
     assert "tandem::decode_attention" in {event.key for event in prof.key_averages()}
     assert out.dtype == torch.bfloat16
     if not (cpu_build.bf16_kernels() and bf16_kernel_fits(2 * group, 2, dim)):
@@ -195,7 +191,7 @@ def test_bfloat16_decode_with_the_kernel_on_equals_float64_attention(
         )
         assert out.equal(wide.bfloat16())
     want = _reference(q, k, v, bias)
-    products = _grouped_decode(q, k, v, bias, dim**-0.5, kernel=False)
+    products = grouped_decode(q, k, v, bias, dim**-0.5, kernel=False)
     error = (out.double() - want).abs().max().item()
     assert error <= max((products.double() - want).abs().max().item(), 2e-3)
     assert error < 1e-2

@@ -18,6 +18,7 @@ from tandem.scheduler.models import (
     SUPPORTED_ARCHITECTURES,
     CausalLM,
     ModelConfig,
+    cpu_path,
     decoder,
     load_model,
     resolve_dtype,
@@ -120,12 +121,12 @@ def test_logits_match_transformers_with_llama_biases(tmp_path: Path) -> None:
 def test_logits_match_transformers_with_the_feed_forward_in_row_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A long CPU batch's feed-forward runs in row blocks (``decoder.MLP_BLOCK_BYTES``);
+    """A long CPU batch's feed-forward runs in row blocks (``cpu_path.MLP_BLOCK_BYTES``);
     blocks of 9 rows, the last one short, give the same logits."""
     path = ref.make_llama(tmp_path, seed=11, kv_ratio=2)
     model = _load(path)
     inner = model.config.intermediate_size
-    monkeypatch.setattr(decoder, "MLP_BLOCK_BYTES", 9 * 2 * inner * 4)
+    monkeypatch.setattr(cpu_path, "MLP_BLOCK_BYTES", 9 * 2 * inner * 4)
     blocks: list[int] = []
     local = decoder.MLP._local
 

@@ -3,7 +3,7 @@
 ``TorchAttention`` makes one batched SDPA call per layer for the whole batch: queries
 padded to ``[B, max_new_tokens]``, keys gathered to ``[B, max_seq_len]`` through the
 request-to-token table, a boolean mask for causality and padding, all planned once per
-batch. CPU decode adds a grouped layout (``_grouped_decode``) and the decode stage
+batch. CPU decode adds a grouped layout (``attention.cpu_decode``) and the decode stage
 (``attention.decode_stage``); a step that continues its stage reads tensors only
 (``StagedDecode``), which lets ``decode_trace`` replay it.
 See docs/guides/adding-an-attention-backend.md, "The two backends".
@@ -25,6 +25,7 @@ from tandem.scheduler.attention.base import (
     write_kv_buffers,
 )
 from tandem.scheduler.attention.casting import as_dtype
+from tandem.scheduler.attention.cpu_decode import grouped_decode, whole_stage
 from tandem.scheduler.attention.decode_stage import (
     DecodeStage,
     append_to_stage,
@@ -32,7 +33,6 @@ from tandem.scheduler.attention.decode_stage import (
     stage_fits,
 )
 from tandem.scheduler.forward_batch import ForwardBatch, ForwardMode
-from tandem.scheduler.kernels import cpu_build
 
 
 @dataclass
@@ -48,7 +48,7 @@ class _Plan:
     mask: torch.Tensor
     batch: int
     max_query: int
-    grouped_decode: bool = False  # attend with ``_grouped_decode``
+    grouped_decode: bool = False  # attend with ``grouped_decode``
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,11 @@ class StagedDecode:
             write_kv_buffers(k_cache, v_cache, self.out_cache_loc, k, v)
             append_to_stage(keys, self.append, k)
             append_to_stage(values, self.append, v)
-        length = self.bias.shape[-1]  # the stage's capacity when _whole_stage
+        length = self.bias.shape[-1]  # the stage's capacity when whole_stage
         keys, values = keys[:, :, :length], values[:, :, :length]
         keys, values = as_dtype(keys, q.dtype), as_dtype(values, q.dtype)
         bias = as_dtype(self.bias, q.dtype)
-        return _grouped_decode(q, keys, values, bias, scale, self.kernel)
+        return grouped_decode(q, keys, values, bias, scale, self.kernel)
 
 
 class TorchAttention(AttentionBackend):
@@ -167,7 +167,7 @@ class TorchAttention(AttentionBackend):
             if device.type == "cpu":
                 self._stage = self._next_stage(stage, batch, max_seq)
                 dtype = self.kv_cache.k_buffer(0).dtype
-                if self._stage is not None and _whole_stage(dtype, self.decode_kernel):
+                if self._stage is not None and whole_stage(dtype, self.decode_kernel):
                     # Attend over the whole stage, its keys past each request masked.
                     k_pos = torch.arange(self._stage.capacity, device=device)
                 bias = _additive_mask(k_pos >= seq_lens, dtype).view(b, 1, 1, -1)
@@ -232,7 +232,7 @@ class TorchAttention(AttentionBackend):
         keys, values = as_dtype(keys, q.dtype), as_dtype(values, q.dtype)
         if plan.grouped_decode:
             mask = as_dtype(plan.mask, q.dtype)
-            return _grouped_decode(q, keys, values, mask, scale, self.decode_kernel)
+            return grouped_decode(q, keys, values, mask, scale, self.decode_kernel)
         padded = q
         if plan.query_slot is not None:
             padded = q.new_zeros((plan.batch * plan.max_query, num_heads, head_dim))
@@ -292,52 +292,10 @@ class TorchAttention(AttentionBackend):
                 stage.check(self.kv_cache, self.req_to_token)
             return stage
         dtype = self.kv_cache.k_buffer(0).dtype
-        capacity = capacity_for(max_seq, _whole_stage(dtype, self.decode_kernel))
+        capacity = capacity_for(max_seq, whole_stage(dtype, self.decode_kernel))
         if not stage_fits(len(rows), capacity, self.kv_cache.layout):
             return None
         return DecodeStage(list(rows), list(seq_lens), capacity)
-
-
-def _whole_stage(dtype: torch.dtype, kernel: bool) -> bool:
-    """Whether a decode stage of K/V in ``dtype`` is attended whole, by two matrix
-    products (``_grouped_decode``), rather than cut to the longest sequence for SDPA
-    or tandem's decode kernel (``kernel``: the backend's ``decode_kernel``).
-
-    For bfloat16 without the kernel only. SDPA's CPU kernel is slow there, and the
-    products are fast only on a contiguous operand: on a cut stage (a ``[:, :, :L]``
-    slice of ``[B, Hkv, capacity, D]``) the matmul copies the keys first. In bfloat16 the
-    whole stage is never slower and is faster on large batches; float32 gained little on
-    large batches and lost on small ones, so it takes tandem's decode kernel
-    (``_kernel_fits``), or SDPA on the cut stage without it (measurements:
-    docs/benchmarks.md, Measurements behind the code). The kernel reads each request's
-    keys only, so bfloat16 with the kernel (AVX512-BF16's, or the float32 one over
-    widened operands) cuts too."""
-    return dtype == torch.bfloat16 and not kernel
-
-
-def _kernel_fits(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether ``torch.ops.tandem.decode_attention`` takes this step: float32, or
-    bfloat16 with heads of a multiple of 32 elements (at most 256) and at most 8 query
-    heads per KV head (``bf16_kernel_fits``); K and V laid out alike (the stage, or the
-    gathered pages seen as ``[B, Hkv, L, D]``), each head's elements contiguous. It
-    takes bfloat16 only where the build has AVX512-BF16 (``cpu_build.bf16_kernels``);
-    elsewhere ``_grouped_decode`` hands it the operands widened to float32."""
-    dtype = keys.dtype
-    if dtype == torch.bfloat16:
-        fits = bf16_kernel_fits(q.shape[1], keys.shape[1], keys.shape[-1])
-    else:
-        fits = dtype == torch.float32
-    return (
-        fits
-        and q.dtype == dtype == values.dtype
-        and keys.stride(-1) == 1
-        and keys.stride() == values.stride()
-    )
-
-
-def bf16_kernel_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the decode kernel's bfloat16 path takes heads of this shape."""
-    return head_dim % 32 == 0 and head_dim <= 256 and num_heads // num_kv_heads <= 8
 
 
 def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -356,53 +314,3 @@ def _additive_mask(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     least its own key."""
     bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device)
     return bias.masked_fill_(masked, float("-inf"))
-
-
-def _grouped_decode(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    kernel: bool,
-) -> torch.Tensor:
-    """Decode attention (one query per request) as SDPA over KV heads, with the ``G``
-    query heads that share a KV head as ``G`` query rows: ``[B, Hkv, G, D]`` queries
-    against ``[B, Hkv, L, D]`` keys. Same arithmetic as the ``[B, H, 1, D]`` GQA call,
-    but SDPA's CPU kernel tiles the query rows, so one pass over a KV head's keys now
-    serves its whole group instead of one head; a single-row tile leaves its products
-    as matrix-vector work. The decode mask (``k < seq_len``) is the same for every
-    query of a request, so it broadcasts over the rows.
-
-    Grouping the heads is faster than the ``[B, H, 1, D]`` call at every shape tried,
-    so there is no shape criterion. Two ``bmm`` over block-diagonal queries (each
-    head's query in its KV head's ``D``-wide block of a zero ``[H, Hkv * D]`` matrix)
-    was never faster at those shapes and wastes a factor ``Hkv`` of arithmetic
-    (measurements: docs/benchmarks.md, Measurements behind the code). The grouped
-    layout is measured on the CPU only; CUDA keeps the general path. tandem's decode
-    kernel takes the step when ``kernel`` (``_kernel_fits``); without it, bfloat16 K/V
-    take two matrix products instead of SDPA (``_whole_stage``). Returns ``[B, H * D]``."""
-    b, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
-    bf16_path = cpu_build.bf16_kernels() and _kernel_fits(q, keys, values)
-    if kernel and keys.dtype == torch.bfloat16 and not bf16_path:
-        # No bfloat16 kernel in this build (no AVX512-BF16), or heads its bfloat16 path
-        # does not take: the float32 kernel over the operands widened (exactly), its
-        # output rounded once: much faster than the two bfloat16 products (measurements:
-        # docs/benchmarks.md, Measurements behind the code).
-        wide = (x.float() for x in (q, keys, values, mask))
-        out = torch.ops.tandem.decode_attention(*wide, scale)
-        return out.to(q.dtype)
-    if kernel and _kernel_fits(q, keys, values):
-        out: torch.Tensor = torch.ops.tandem.decode_attention(q, keys, values, mask, scale)
-        return out
-    queries = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if keys.dtype == torch.bfloat16:
-        # Scores and softmax in float32; on a whole stage the keys past a request hold
-        # zeros (see DecodeStage), so their weight is exactly zero.
-        scores = torch.matmul(queries, keys.transpose(-1, -2)).float()
-        weights = torch.softmax(scores.mul_(scale).add_(mask), dim=-1)
-        out = torch.matmul(weights.to(values.dtype), values)
-    else:
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(b, num_heads * head_dim)

@@ -21,6 +21,7 @@ from tandem.scheduler.attention import triton_available
 from tandem.scheduler.attention.base import AttentionBackend
 from tandem.scheduler.attention.casting import as_dtype
 from tandem.scheduler.kernels import cpu_build
+from tandem.scheduler.models import cpu_path
 from tandem.scheduler.models.model_config import ModelConfig
 from tandem.scheduler.models.packing import (
     ONEDNN_MIN_HIDDEN,
@@ -39,21 +40,9 @@ from tandem.scheduler.models.tensor_parallel import (
     VocabParallelHead,
 )
 
-# Inputs up to this size are normed with F.rms_norm (one call), larger ones spelled out.
-_FUSED_NORM_MAX_ELEMENTS = 64 * 1024
 _HAS_TRITON = triton_available()  # importing the model never imports Triton
 
 log = logging.getLogger(__name__)
-
-
-def _fused_fits(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether tandem's fused CPU ops (``kernels/cpu_fused.cpp``) take ``x``: a CPU
-    tensor of float32 or bfloat16, ``others`` of its dtype."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and all(o.dtype == x.dtype for o in others)
-    )
 
 
 def _rotate(
@@ -62,9 +51,8 @@ def _rotate(
     """``apply_rotary``; on CUDA/ROCm with Triton installed, the same formula in one
     kernel launch (``kernels.triton_rope``); with ``fused`` on the CPU, in one pass
     (``torch.ops.tandem.rotary``)."""
-    if fused and _fused_fits(x):
-        out: torch.Tensor = torch.ops.tandem.rotary(x, cos, sin)
-        return out
+    if fused and cpu_path.fused_fits(x):
+        return cpu_path.rotary(x, cos, sin)
     if x.is_cuda and _HAS_TRITON:
         from tandem.scheduler.kernels.triton_rope import rotary
 
@@ -83,25 +71,12 @@ class RMSNorm(nn.Module):
         self.fused = False  # torch.ops.tandem.rms_norm (set by CausalLM.use_fused_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and _fused_fits(x, self.weight):
-            rows = x.reshape(-1, x.shape[-1])
-            normed: torch.Tensor = torch.ops.tandem.rms_norm(rows, self.weight, self.eps)
-            return normed.view(x.shape)
-        if x.device.type != "cpu":
-            # Accelerators' fused kernel takes the statistics in float32 and rounds once
-            # to x's dtype: the formula below in one launch instead of four, which a
-            # batch-1 decode step (launch-bound) feels in every layer.
-            return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
-        x32 = as_dtype(x, torch.float32)  # casts only when they change something
-        if x32.numel() <= _FUSED_NORM_MAX_ELEMENTS:
-            # One call for a decode-sized input (a small model's step is counted in
-            # calls); the same formula, bit for bit.
-            normed = F.rms_norm(x32, (x32.shape[-1],), None, self.eps)
-        else:
-            # Spelled out: F.rms_norm is several times slower on the CPU for
-            # prefill-sized inputs.
-            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * as_dtype(normed, x.dtype)
+        if x.device.type == "cpu":
+            return cpu_path.rms_norm(x, self.weight, self.eps, self.fused)
+        # Accelerators' fused kernel takes the statistics in float32 and rounds once to
+        # x's dtype: the formula in one launch instead of four, which a batch-1 decode
+        # step (launch-bound) feels in every layer.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 class Attention(nn.Module):
@@ -197,7 +172,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The feed-forward of ``x``, plus ``residual`` if given (folded into the down
         projection where it can be: one rank, packed)."""
-        rows = _mlp_block_rows(x, self.gate_proj.out_features)
+        cpu = x.device.type == "cpu"
+        rows = cpu_path.mlp_block_rows(x, self.gate_proj.out_features) if cpu else x.shape[0]
         fold = residual is not None and self.down is not None and self.tp.size == 1
         if x.shape[0] > rows:
             blocks = x.split(rows)
@@ -217,30 +193,13 @@ class MLP(nn.Module):
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.fused and _fused_fits(gate, up):
-            inner = torch.ops.tandem.silu_mul(gate, up)
+        if self.fused and cpu_path.fused_fits(gate, up):
+            inner = cpu_path.silu_mul(gate, up)
         else:
             inner = F.silu(gate).mul_(up)
         if self.down is None:
             return self.down_proj(inner)
         return self.down(inner)[0] if residual is None else self.down.plus(inner, residual)
-
-
-MLP_BLOCK_BYTES = 8 << 20
-"""On the CPU, the feed-forward of a long batch runs in row blocks whose gate/up output
-is at most this large. Each block's output then stays in the cache while the activation
-and the down projection read it, instead of streaming from memory: a long batch's
-feed-forward is faster in both dtypes, the same over a wide range of block sizes, and
-a block as large as the last-level cache loses most of the gain (measurements:
-docs/benchmarks.md, Measurements behind the code)."""
-
-
-def _mlp_block_rows(x: torch.Tensor, inner: int) -> int:
-    """Rows per feed-forward block for ``x`` (see ``MLP_BLOCK_BYTES``); every row at
-    once off the CPU."""
-    if x.device.type != "cpu":
-        return x.shape[0]
-    return max(1, MLP_BLOCK_BYTES // (2 * inner * x.element_size()))
 
 
 class DecoderLayer(nn.Module):
