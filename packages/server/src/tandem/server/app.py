@@ -379,9 +379,12 @@ def _template_calls(calls: list[requests.ToolCall], raw: list[Any]) -> list[dict
 def _chat_prompt(
     st: ServerState,
     body: dict[str, Any],
-    chat: requests.ChatCompletionRequest,
     tools: list[dict[str, Any]] | None = None,
+    chat: requests.ChatCompletionRequest | None = None,
 ) -> list[int]:
+    """The conversation's token ids; ``chat``: ``body`` as its model, when checked already."""
+    if chat is None:
+        chat = requests.validate(requests.ChatCompletionRequest, body)
     clean = []
     for msg, sent in zip(chat.messages, body["messages"], strict=True):
         entry = dict(sent)  # other fields (name, tool_call_id...) reach the template as sent
@@ -468,7 +471,7 @@ def _prepare_chat(
     top = req.top_logprobs or 0
     if top and not want:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    ids = _chat_prompt(st, body, req, plan.template_tools if plan is not None else None)
+    ids = _chat_prompt(st, body, plan.template_tools if plan is not None else None, req)
     jobs = parsing.expand([ids], params, n, st.limits, want, top)
     return req, parsing.with_bootstrap(jobs, boot), plan
 
