@@ -22,7 +22,7 @@ from server_process import LiveServer
 
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
-from tandem.server import parsing, prepare
+from tandem.server import parsing, prepare, request_models
 from tandem.server.errors import APIError, install_handlers
 
 TIMEOUT = 30
@@ -388,6 +388,6 @@ def test_openapi_documents_answers_and_bounds(server: LiveServer, limits: parsin
     assert ids["items"]["maximum"] == limits.vocab_size - 1
     assert ids["maxItems"] == limits.context_length - 1
     top = schema["properties"]["top_logprobs_num"]["anyOf"][0]
-    assert (top["minimum"], top["maximum"]) == (0, parsing.MAX_TOP_LOGPROBS)
+    assert (top["minimum"], top["maximum"]) == (0, request_models.MAX_TOP_LOGPROBS)
     sampling = schema["properties"]["sampling_params"]["anyOf"][0]
-    assert set(sampling["properties"]) == set(parsing.NATIVE_SAMPLING_KEYS)
+    assert set(sampling["properties"]) == set(request_models.SamplingParams.model_fields)

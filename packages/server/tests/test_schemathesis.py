@@ -80,6 +80,17 @@ CONSTRAINTS = ("regex", "ebnf", "json_schema", "structural_tag")
 OPENAI_CONSTRAINTS = (*CONSTRAINTS, "response_format", "tools", "tool_choice")
 
 
+def _json_arguments(messages: Any) -> None:
+    """A tool call's ``arguments`` given as text must be a JSON object's, which a schema
+    cannot say of a string: generated text becomes ``{}`` (still a valid body)."""
+    for message in messages if isinstance(messages, list) else ():
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                function["arguments"] = "{}"
+
+
 def _clamp(path: str, body: Any) -> None:
     """Keep generation short: small token budgets, ``n``, prompts, no grammar. Only for
     valid bodies, which stay valid (a smaller budget or prompt, or no grammar, cannot make
@@ -103,6 +114,7 @@ def _clamp(path: str, body: Any) -> None:
         return
     for key in OPENAI_CONSTRAINTS:
         body.pop(key, None)
+    _json_arguments(body.get("messages"))
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS
     for key in ("max_tokens", "max_completion_tokens"):

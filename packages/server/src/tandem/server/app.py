@@ -24,7 +24,15 @@ from fastapi.responses import JSONResponse, Response
 from tandem.scheduler.engine.gc_freeze import freeze_long_lived
 from tandem.scheduler.text.stop import StopLimits
 from tandem.scheduler.text.tokenizer import Tokenizer
-from tandem.server import gateway, openapi_schemas, parsing, prepare, structured, tool_calls
+from tandem.server import (
+    gateway,
+    openapi_schemas,
+    parsing,
+    prepare,
+    request_models,
+    structured,
+    tool_calls,
+)
 from tandem.server.config import ServerConfig
 from tandem.server.dp_client import DataParallelClient
 from tandem.server.errors import APIError, error_body, install_handlers
@@ -267,7 +275,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     @app.post(
         "/v1/completions",
         openapi_extra=openapi_schemas.openai_body(
-            openapi_schemas.COMPLETION_REQUEST, model_name, bootstrap_required
+            request_models.CompletionRequest, model_name, bootstrap_required
         ),
     )
     async def completions(request: Request) -> Response:
@@ -278,7 +286,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     @app.post(
         "/v1/chat/completions",
         openapi_extra=openapi_schemas.openai_body(
-            openapi_schemas.CHAT_COMPLETION_REQUEST, model_name, bootstrap_required
+            request_models.ChatCompletionRequest, model_name, bootstrap_required
         ),
     )
     async def chat_completions(request: Request) -> Response:
@@ -288,9 +296,7 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
 
     @app.post(
         "/generate",
-        openapi_extra=openapi_schemas.json_body(
-            openapi_schemas.with_bootstrap(openapi_schemas.GENERATE_REQUEST, bootstrap_required)
-        ),
+        openapi_extra=openapi_schemas.json_body(request_models.GenerateRequest, bootstrap_required),
     )
     async def generate(request: Request) -> Response:
         st = state()
@@ -300,14 +306,17 @@ def create_app(engine_kwargs: dict[str, Any], config: ServerConfig | None = None
     return app
 
 
-def _json(raw: bytes) -> dict[str, Any]:
-    return parsing.ensure_object(parsing.load_json(raw))
+def _body(raw: bytes, model: type[request_models.M]) -> tuple[dict[str, Any], request_models.M]:
+    """The raw body's JSON object, checked (``parsing.load_json``), and it as ``model``."""
+    body = parsing.ensure_object(parsing.load_json(raw))
+    return body, request_models.validate(model, body)
 
 
 def _check_model(st: ServerState, body: dict[str, Any]) -> None:
-    """A request names the served model or none (SGLang accepts a missing ``model``)."""
-    model = parsing._typed(body, "model", str, "a string")
-    if model is not None and model != st.model_name:
+    """A request names the served model or none (SGLang accepts a missing ``model``); a
+    name of another type is left to the request's model."""
+    model = body.get("model")
+    if isinstance(model, str) and model != st.model_name:
         shown = model if len(model) <= 100 else model[:97] + "..."
         raise APIError(
             f"The model `{shown}` does not exist.", status=404, param="model",
@@ -328,22 +337,19 @@ def _encode(
 
 
 def _completion_prompts(
-    st: ServerState, prompt: Any, n: int
+    st: ServerState, prompt: str | list[str] | list[int] | list[list[int]], n: int
 ) -> tuple[list[list[int]], list[str] | None]:
     """The prompts' token ids, and their texts when they came as texts (else None)."""
-    if prompt is None:
-        raise APIError("prompt is required", param="prompt")
     texts: list[str] = []
+    prompts: list[list[int]] = []
     if isinstance(prompt, str):
         texts, params = [prompt], ["prompt"]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        texts, params = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        prompts, params = [prompt], ["prompt"]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts, params = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
+    elif all(isinstance(p, str) for p in prompt):
+        texts, params = prompt, [f"prompt[{i}]" for i in range(len(prompt))]  # type: ignore[assignment]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts, params = [prompt], ["prompt"]  # type: ignore[list-item]
     else:
-        raise APIError("prompt must be a string, a list of strings, or token ids", param="prompt")
+        prompts, params = prompt, [f"prompt[{i}]" for i in range(len(prompt))]  # type: ignore[assignment]
     parsing.check_fan_out(len(params), n, st.config.max_choices)
     if texts:
         prompts = _encode(st, texts, params)
@@ -352,75 +358,42 @@ def _completion_prompts(
     return prompts, texts or None
 
 
-def _message_text(content: Any, where: str) -> str:
-    """A message's content as one text; ``where`` (``messages[i].content``) names it."""
-    if content is None:
-        raise APIError(f"{where} is required and may not be null", param=where)
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(f"{where} must be a string or a list of text parts", param=where)
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise APIError(f"{where}[{j}]: only text content is supported", param=f"{where}[{j}]")
-        text = part.get("text", "")
-        if not isinstance(text, str):
-            raise APIError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
-        parts.append(text)
-    return "".join(parts)
+def _text_of(content: str | list[request_models.TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-def _tool_calls_of(value: Any, where: str) -> list[dict[str, Any]]:
+def _template_calls(calls: list[request_models.ToolCall], raw: list[Any]) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls`` for the chat template: each call's
     ``arguments`` as an object (templates print it with ``tojson``), not JSON text."""
-    if not isinstance(value, list):
-        raise APIError(f"{where} must be a list", param=where)
-    calls = []
-    for j, call in enumerate(value):
-        at = f"{where}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise APIError(f"{at}.function.name must be a string", param=f"{at}.function.name")
-        args = function.get("arguments")
+    out = []
+    for call, sent in zip(calls, raw, strict=True):
+        args = call.function.arguments
         if args is None or (isinstance(args, str) and not args.strip()):
             args = {}
         elif isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = None
-        if not isinstance(args, dict):
-            raise APIError(
-                f"{at}.function.arguments must be a JSON object (or its JSON text)",
-                param=f"{at}.function.arguments",
-            )
-        calls.append({**call, "function": {**function, "arguments": args}})
-    return calls
+            args = json.loads(args)  # an object: the model checked it
+        out.append({**sent, "function": {**sent["function"], "arguments": args}})
+    return out
 
 
 def _chat_prompt(
-    st: ServerState, body: dict[str, Any], tools: list[dict[str, Any]] | None = None
+    st: ServerState,
+    body: dict[str, Any],
+    tools: list[dict[str, Any]] | None = None,
+    chat: request_models.ChatCompletionRequest | None = None,
 ) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("messages must be a non-empty list", param="messages")
+    """The conversation's token ids; ``chat``: ``body`` as its model, when checked already."""
+    if chat is None:
+        chat = request_models.validate(request_models.ChatCompletionRequest, body)
     clean = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise APIError(f"{where} must be an object", param=where)
-        if not isinstance(msg.get("role"), str):
-            raise APIError(f"{where}.role must be a string", param=f"{where}.role")
-        entry = dict(msg)
-        if msg.get("tool_calls") is not None:
-            entry["tool_calls"] = _tool_calls_of(msg["tool_calls"], f"{where}.tool_calls")
-        if msg.get("content") is not None or "tool_calls" not in entry:
-            entry["content"] = _message_text(msg.get("content"), f"{where}.content")
-        else:
-            # An assistant turn of calls only: templates that join ``content`` as a
-            # string (SmolLM2's ChatML among them) need one, as vLLM gives them.
-            entry["content"] = ""
+    for msg, sent in zip(chat.messages, body["messages"], strict=True):
+        entry = dict(sent)  # other fields (name, tool_call_id...) reach the template as sent
+        calls = getattr(msg, "tool_calls", None)
+        if calls is not None:
+            entry["tool_calls"] = _template_calls(calls, sent["tool_calls"])
+        # An assistant turn of calls only: templates that join ``content`` as a string
+        # (SmolLM2's ChatML among them) need one, as vLLM gives them.
+        entry["content"] = "" if msg.content is None else _text_of(msg.content)
         clean.append(entry)
     if st.tokenizer is None or st.tokenizer.chat_template is None:
         raise APIError("this model has no chat template", param="messages")
@@ -440,15 +413,17 @@ def _chat_prompt(
 
 
 # -- preparation: run on the Preparer's threads, never on the event loop ------------------------
-def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
-    body = _json(raw)
+def _prepare_completion(
+    st: ServerState, raw: bytes
+) -> tuple[request_models.CompletionRequest, list[Job]]:
+    body, req = _body(raw, request_models.CompletionRequest)
     _check_model(st, body)
-    echo = parsing._bool(body, "echo")
-    n = parsing.choices_count(body)
-    params = parsing.sampling_from_openai(body, st.limits)
+    echo = bool(req.echo)
+    n = req.n or 1
+    params = parsing.sampling_from_openai(req, st.limits)
     params.update(structured.openai_grammar(body))
-    top = parsing.int_in(body, "logprobs", 0, parsing.MAX_TOP_LOGPROBS)
-    prompts, texts = _completion_prompts(st, parsing.integral_ids(body.get("prompt")), n)
+    top = req.logprobs
+    prompts, texts = _completion_prompts(st, req.prompt, n)
     boot = parsing.bootstrap(body, st.disaggregated, len(prompts), lists=True)
     parsing.check_one_choice(boot, n)
     if echo and st.tokenizer is None:
@@ -469,19 +444,19 @@ def _prepare_completion(st: ServerState, raw: bytes) -> tuple[dict[str, Any], li
             p = job.index // n
             skip = bool(job.params.get("skip_special_tokens", True))
             job.echo = texts[p] if texts else st.tokenizer.decode(prompts[p], skip)
-    return body, parsing.with_bootstrap(jobs, boot)
+    return req, parsing.with_bootstrap(jobs, boot)
 
 
 def _prepare_chat(
     st: ServerState, raw: bytes
-) -> tuple[dict[str, Any], list[Job], tool_calls.ToolPlan | None]:
-    body = _json(raw)
+) -> tuple[request_models.ChatCompletionRequest, list[Job], tool_calls.ToolPlan | None]:
+    body, req = _body(raw, request_models.ChatCompletionRequest)
     _check_model(st, body)
-    n = parsing.choices_count(body)
+    n = req.n or 1
     parsing.check_fan_out(1, n, st.config.max_choices)
     boot = parsing.bootstrap(body, st.disaggregated)
     parsing.check_one_choice(boot, n)
-    params = parsing.sampling_from_openai(body, st.limits)
+    params = parsing.sampling_from_openai(req, st.limits)
     grammar = structured.openai_grammar(body)
     plan = tool_calls.plan(body, st.tool_format)
     if plan is not None and grammar:
@@ -492,41 +467,36 @@ def _prepare_chat(
             param=given,
         )
     params.update(plan.grammar if plan is not None else grammar)
-    want = parsing._bool(body, "logprobs")
-    top = parsing.int_in(body, "top_logprobs", 0, parsing.MAX_TOP_LOGPROBS, 0)
+    want = bool(req.logprobs)
+    top = req.top_logprobs or 0
     if top and not want:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    ids = _chat_prompt(st, body, plan.template_tools if plan is not None else None)
+    ids = _chat_prompt(st, body, plan.template_tools if plan is not None else None, req)
     jobs = parsing.expand([ids], params, n, st.limits, want, top)
-    return body, parsing.with_bootstrap(jobs, boot), plan
+    return req, parsing.with_bootstrap(jobs, boot), plan
 
 
-def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[Job]]:
-    body = _json(raw)
-    text, input_ids = body.get("text"), parsing.integral_ids(body.get("input_ids"))
-    if (text is None) == (input_ids is None):
+def _prepare_native(
+    st: ServerState, raw: bytes
+) -> tuple[request_models.GenerateRequest, list[Job]]:
+    body, req = _body(raw, request_models.GenerateRequest)
+    if (req.text is None) == (req.input_ids is None):
         raise APIError("pass exactly one of text and input_ids", param="text")
-    params = parsing.native_sampling(body.get("sampling_params"))
-    want = parsing._bool(body, "return_logprob")
-    top = parsing.int_in(body, "top_logprobs_num", 0, parsing.MAX_TOP_LOGPROBS, 0)
-    start = parsing.logprob_start(body)
-    if parsing._bool(body, "return_text_in_logprobs") and st.tokenizer is None:
+    params = parsing.native_sampling(req.sampling_params, st.limits)
+    want = bool(req.return_logprob)
+    top = req.top_logprobs_num or 0
+    start = -1 if req.logprob_start_len is None else req.logprob_start_len
+    if req.return_text_in_logprobs and st.tokenizer is None:
         raise APIError(
             "return_text_in_logprobs needs the model's tokenizer, which this model lacks",
             param="return_text_in_logprobs",
         )
-    if parsing._typed(body, "rid", str, "a string") == "":
-        raise APIError("rid must not be empty", param="rid")
-    parsing._bool(body, "stream")
     boot = parsing.bootstrap(body, st.disaggregated)
-    if text is not None:
-        if not isinstance(text, str) or not text:
-            raise APIError("text must be a non-empty string", param="text")
-        ids, param = _encode(st, [text], ["text"])[0], "text"
+    if req.text is not None:
+        ids, param = _encode(st, [req.text], ["text"])[0], "text"
     else:
-        if not isinstance(input_ids, list):
-            raise APIError("input_ids must be a list of token ids", param="input_ids")
-        ids, param = input_ids, "input_ids"
+        assert req.input_ids is not None
+        ids, param = req.input_ids, "input_ids"
     parsing.check_ids(ids, st.limits, param)
     if start >= 0 and want and st.disaggregated:
         raise APIError(
@@ -538,7 +508,7 @@ def _prepare_native(st: ServerState, raw: bytes) -> tuple[dict[str, Any], list[J
         [ids], params, 1, st.limits, want, top, default_max=128, prefix="sampling_params.",
         logprob_start_len=start,
     )  # fmt: skip
-    return body, parsing.with_bootstrap(jobs, boot)
+    return req, parsing.with_bootstrap(jobs, boot)
 
 
 # -- OpenAI responses --------------------------------------------------------------------------
@@ -615,12 +585,12 @@ def _usage(jobs: list[Job], completion_tokens: int) -> dict[str, int]:
 async def _respond(
     st: ServerState,
     request: Request,
-    body: dict[str, Any],
+    body: request_models.OpenAIRequest,
     jobs: list[Job],
     chat: bool,
     tools: tool_calls.ToolPlan | None = None,
 ) -> Response:
-    stream = parsing._bool(body, "stream")
+    stream = bool(body.stream)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     model = st.model_name
@@ -640,10 +610,7 @@ async def _respond(
                 "usage": _usage(jobs, completion),
             }
         )
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise APIError("stream_options must be an object", param="stream_options")
-    include_usage = bool((options or {}).get("include_usage"))
+    include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     with _grammar_errors(body, tools):
         first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs))
     if first is not None:
@@ -724,7 +691,7 @@ _GRAMMAR_ERROR = re.compile(r"request \d+: (json_schema|regex|ebnf|structural_ta
 
 @contextlib.contextmanager
 def _grammar_errors(
-    body: dict[str, Any], tools: tool_calls.ToolPlan | None, native: bool = False
+    body: request_models.OpenAIRequest | None, tools: tool_calls.ToolPlan | None
 ) -> Iterator[None]:
     """Name the field a grammar the engine could not compile came from (the engine
     knows only its own parameter): ``tools``, ``response_format``, or the grammar
@@ -736,9 +703,9 @@ def _grammar_errors(
         if found is not None and exc.status == 400 and exc.param is None:
             kind = found.group(1)
             exc.param = (
-                f"sampling_params.{kind}" if native
+                f"sampling_params.{kind}" if body is None
                 else "tools" if tools is not None
-                else kind if body.get(kind) is not None
+                else kind if getattr(body, kind) is not None
                 else "response_format"
             )  # fmt: skip
         raise
@@ -866,20 +833,20 @@ def _choice(
 
 # -- SGLang's native /generate -------------------------------------------------------------------
 async def _native(
-    st: ServerState, request: Request, body: dict[str, Any], jobs: list[Job]
+    st: ServerState, request: Request, body: request_models.GenerateRequest, jobs: list[Job]
 ) -> Response:
-    rid = body.get("rid")
-    texts = parsing._bool(body, "return_text_in_logprobs")
+    rid = body.rid
+    texts = bool(body.return_text_in_logprobs)
     shape = _NativeLogprobs(
         jobs[0].return_logprob,
         jobs[0].logprob_start_len >= 0,
         functools.partial(_token_str, st) if texts else None,
     )
-    if not parsing._bool(body, "stream"):
-        with _grammar_errors(body, None, native=True):
+    if not body.stream:
+        with _grammar_errors(None, None):
             choice = (await collect(st.client, st.metrics, jobs, request, rid))[0]
         return JSONResponse(_native_result(choice.text, choice.ids, choice, shape))
-    with _grammar_errors(body, None, native=True):
+    with _grammar_errors(None, None):
         first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs, rid))
 
     async def sse() -> AsyncIterator[str]:

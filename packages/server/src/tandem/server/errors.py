@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,47 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def param_of(loc: Sequence[Any], body: Any, missing: bool = False) -> str | None:
+    """A validation error's location as the field a client sent (``messages[0].content``),
+    found by walking ``body`` along ``loc``: a step that names nothing in the body is a
+    union member's label (``str``, ``role:user``) and is left out, except the last one of
+    a ``missing`` error, the field the body lacks."""
+    path, node = "", body
+    for i, key in enumerate(loc):
+        if isinstance(node, dict) and isinstance(key, str):
+            if key not in node and not (missing and i == len(loc) - 1):
+                continue
+            path, node = (f"{path}.{key}" if path else key), node.get(key)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            path, node = f"{path}[{key}]", node[key]
+    return path or None
+
+
+def from_validation(errors: Sequence[Any], body: Any) -> APIError:
+    """One 400 for pydantic's validation ``errors`` of ``body``: the error on the deepest
+    field (inside a union, the member that got furthest), the first among equals."""
+    best: tuple[int, str | None, str] | None = None
+    for error in errors:
+        loc = list(error.get("loc", ()))
+        if loc[:1] in (["query"], ["path"], ["header"], ["cookie"]):  # FastAPI's parameters
+            param: str | None = ".".join(str(x) for x in loc)
+        else:
+            loc = loc[1:] if loc[:1] == ["body"] else loc
+            param = param_of(loc, body, error.get("type") == "missing")
+        tag = (error.get("ctx") or {}).get("discriminator", "")
+        if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+            tag = str(tag).strip("'")
+            if tag.isidentifier():  # the field that picks the member: response_format.type
+                param = f"{param}.{tag}" if param else tag
+        depth = param.count(".") + param.count("[") + 1 if param else 0
+        if best is None or depth > best[0]:
+            best = (depth, param, str(error.get("msg", "invalid value")))
+    if best is None:
+        return APIError("the request is not valid")
+    _, param, message = best
+    return APIError(f"{param}: {message}" if param else message, param=param)
+
+
 def allowed_methods(request: Request) -> list[str]:
     """The methods the app's routes accept on this request's path."""
     methods: set[str] = set()
@@ -80,12 +122,8 @@ def install_handlers(app: FastAPI) -> None:
 
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        return JSONResponse(
-            error_body(str(first.get("msg", "invalid request")), 400, ".".join(loc) or None), 400
-        )
+        error = from_validation(exc.errors(), exc.body)
+        return JSONResponse(error.body(), status_code=error.status)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         request_id = uuid.uuid4().hex

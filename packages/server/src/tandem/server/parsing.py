@@ -1,10 +1,11 @@
-"""Turning OpenAI and SGLang request bodies into engine jobs, or a 400 naming the field.
+"""What the request models (``request_models``) cannot check, and turning requests into jobs.
 
-The raw body is checked around ``json.loads`` (UTF-8, nesting depth, lone surrogates),
-then each field, with the engine's own rules (``SamplingParams.validate``) where it has
-them, so that a bad request never reaches the scheduler and the error names the field
-the client sent (``max_tokens``, not ``max_new_tokens``). ``openapi_schemas`` documents
-the same bounds.
+The raw body is checked around ``json.loads`` (UTF-8, nesting depth, lone surrogates)
+before pydantic sees it; after it, the bounds of the loaded model (prompt and token
+budget lengths, vocabulary, stop limits), the server's ``max_choices``, the bootstrap
+fields (whose use depends on the server's mode) and the engine's own rules
+(``SamplingParams.validate``, 64-bit ranges). Errors name the field the client sent
+(``max_tokens``, not ``max_new_tokens``).
 """
 
 from __future__ import annotations
@@ -15,30 +16,20 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from tandem.scheduler.sampling import SamplingParams
-from tandem.scheduler.sampling.params import GRAMMAR_KINDS
 from tandem.scheduler.text.stop import StopLimits
+from tandem.server import request_models
 from tandem.server.errors import APIError
+from tandem.server.request_models import MAX_BOOTSTRAP_HOST, ROOM_MAX
 
 # Engine names -> the OpenAI names a client sent.
 _PUBLIC = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs"}
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
 MAX_JSON_DEPTH = 64
 # Integers travel to the scheduler as msgpack and land in int64 tensors: wider ones are a 400
 # here, not a failure in the scheduler (a 500).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# The bounds of 64-bit fields (top_k, seeds), a little inside int64 and round in decimal:
-# schema tools read big numbers as doubles (2**63 - 1 is the double 2**63), and 9e18 is
-# the same number either way. Seed + i (i < MAX_N) still fits.
-INT_LOW, INT_HIGH = -(9 * 10**18), 9 * 10**18
-# The keys /generate's sampling_params may hold (SamplingParams has more, set elsewhere).
-NATIVE_SAMPLING_KEYS = (
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "stop", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "seed", "sampling_seed", "n", *GRAMMAR_KINDS,
-)  # fmt: skip
-_NATIVE_NULLABLE = frozenset({"stop", "stop_token_ids", "seed", "sampling_seed", *GRAMMAR_KINDS})
 _REAL_FIELDS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
     "presence_penalty",
@@ -202,173 +193,71 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def integral(value: Any) -> Any:
-    """JSON has one number type: ``5.0`` is the integer 5 (as JSON Schema, and OpenAI's
-    own server, read it). Anything else is returned as it is."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def integral_ids(value: Any) -> Any:
-    """A token-id list, or a list of them, with ``integral`` numbers."""
-    if not isinstance(value, list):
-        return value
-    return [integral_ids(v) if isinstance(v, list) else integral(v) for v in value]
-
-
-def _typed(
-    body: Mapping[str, Any],
-    key: str,
-    types: Any,
-    what: str,
-    default: Any = None,
-    param: str | None = None,
-) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if types is int:
-        value = integral(value)
-    name = param or key
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise APIError(f"{name} must be {what}, got {_show(value)}", param=name)
-    if not isinstance(value, types):
-        raise APIError(f"{name} must be {what}, got {_show(value)}", param=name)
-    return value
-
-
-def _bool(body: Mapping[str, Any], key: str, default: bool = False) -> bool:
-    return bool(_typed(body, key, bool, "a boolean", default))
-
-
-def int_in(
-    body: Mapping[str, Any],
-    key: str,
-    low: int,
-    high: int,
-    default: int | None = None,
-    param: str | None = None,
-) -> Any:
-    """An integer field within ``[low, high]``, or ``default`` when absent or null."""
-    name = param or key
-    value = _typed(body, key, int, "an integer", default, name)
-    if value is not None and not low <= value <= high:
-        raise APIError(f"{name} must be in [{low}, {high}], got {_show(value)}", param=name)
-    return value
-
-
-def _real(body: Mapping[str, Any], key: str, param: str | None = None) -> float | None:
-    """A number field as a float; one too large for a float is a 400, not a crash."""
-    name = param or key
-    value = _typed(body, key, (int, float), "a number", None, name)
+def _stop(value: str | list[str] | None) -> list[str] | None:
+    """Stop strings as a list, without empty ones; ``None`` for none."""
     if value is None:
         return None
-    try:
-        return float(value)
-    except OverflowError:
-        raise APIError(f"{name} is out of range, got {_show(value)}", param=name) from None
+    texts = [value] if isinstance(value, str) else value
+    return [s for s in texts if s] or None
 
 
-def _text(body: Mapping[str, Any], key: str) -> str | None:
-    return _typed(body, key, str, "a string")  # type: ignore[no-any-return]
+def check_max_tokens(value: int | None, limits: Limits, param: str) -> int | None:
+    """A token budget (``max_tokens``) within the context, whose size the schema learns
+    only once the model is loaded."""
+    most = limits.context_length - 1
+    if value is not None and value > most:
+        raise APIError(f"{param} must be in [0, {most}], got {_show(value)}", param=param)
+    return value
 
 
-def _stop(value: Any, param: str) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise APIError(f"{param} must be a string or a list of strings", param=param)
-    return [s for s in value if s] or None
-
-
-def sampling_from_openai(body: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
+def sampling_from_openai(body: request_models.OpenAIRequest, limits: Limits) -> dict[str, Any]:
     """The engine's sampling dict from OpenAI fields (plus SGLang/vLLM extensions)."""
     params: dict[str, Any] = {}
     # max_completion_tokens wins, but a bad max_tokens next to it is still a bad request.
     for key in ("max_tokens", "max_completion_tokens"):
-        value = int_in(body, key, 0, limits.context_length - 1)
+        value = check_max_tokens(getattr(body, key), limits, key)
         if value is not None:
             params["max_new_tokens"] = value
     for name in _REAL_FIELDS:
-        value = _real(body, name)
+        value = getattr(body, name)
         if value is not None:
             params[name] = value
-    top_k = int_in(body, "top_k", -1, INT_HIGH)
-    if top_k is not None:
-        params["top_k"] = top_k
-    stop = _stop(body.get("stop"), "stop")
+    if body.top_k is not None:
+        params["top_k"] = body.top_k
+    stop = _stop(body.stop)
     if stop is not None:
         params["stop"] = stop
-    params["seed"] = int_in(body, "seed", INT_LOW, INT_HIGH)
-    params["ignore_eos"] = _bool(body, "ignore_eos")
-    params["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        params["stop_token_ids"] = integral_ids(stop_ids)
-    _text(body, "user")
-    _bool(body, "stream")
-    check_stream_options(body)
+    params["seed"] = body.seed
+    params["ignore_eos"] = bool(body.ignore_eos)
+    params["skip_special_tokens"] = body.skip_special_tokens is not False
+    if body.stop_token_ids is not None:
+        params["stop_token_ids"] = body.stop_token_ids
     return params
 
 
-def check_stream_options(body: Mapping[str, Any]) -> None:
-    """``stream_options`` is checked even when ``stream`` is off, where it is unused."""
-    options = body.get("stream_options")
-    if options is None:
-        return
-    if not isinstance(options, dict):
-        raise APIError("stream_options must be an object", param="stream_options")
-    if "include_usage" in options and not isinstance(options["include_usage"], bool):
-        raise APIError(
-            "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
-        )
-
-
-def native_sampling(raw: Any) -> dict[str, Any]:
-    """/generate's ``sampling_params`` as the engine's sampling dict (``null`` is unset)."""
+def native_sampling(
+    raw: request_models.SamplingParams | Mapping[str, Any] | None, limits: Limits | None = None
+) -> dict[str, Any]:
+    """/generate's ``sampling_params`` (the model, or its JSON object) as the engine's
+    sampling dict; ``null`` is unset, in the object and in each of its fields."""
     if raw is None:
         return {}
-    if not isinstance(raw, dict):
-        raise APIError("sampling_params must be an object", param="sampling_params")
-    unknown = sorted(str(k) for k in raw if k not in NATIVE_SAMPLING_KEYS)
-    if unknown:
-        raise APIError(
-            f"unknown sampling parameter(s): {_show(', '.join(unknown))}",
-            param=f"sampling_params.{unknown[0]}",
+    if not isinstance(raw, request_models.SamplingParams):
+        raw = request_models.validate(
+            request_models.SamplingParams, dict(raw), at="sampling_params"
         )
-    params = {
-        k: integral_ids(integral(v))
-        for k, v in raw.items()
-        if not (v is None and k in _NATIVE_NULLABLE)
-    }
+    params = {k: v for k, v in raw.model_dump(exclude_unset=True).items() if v is not None}
     if "seed" in params and "sampling_seed" in params:
         raise APIError(
             "sampling_params: pass seed or its alias sampling_seed, not both",
             param="sampling_params.sampling_seed",
         )
-    for key, low in (
-        ("max_new_tokens", 0),
-        ("top_k", -1),
-        ("seed", INT_LOW),
-        ("sampling_seed", INT_LOW),
-    ):
-        int_in(params, key, low, INT_HIGH, param=f"sampling_params.{key}")
-    n = params.pop("n", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n != 1:
-        raise APIError("/generate takes n=1", param="sampling_params.n")
-    for name in _REAL_FIELDS:
-        if name in params:
-            params[name] = _real(params, name, f"sampling_params.{name}")
+    if limits is not None:
+        check_max_tokens(params.get("max_new_tokens"), limits, "sampling_params.max_new_tokens")
+    params.pop("n", None)  # 1, the only value the model takes
     if "stop" in params:
-        params["stop"] = _stop(params["stop"], "sampling_params.stop")
+        params["stop"] = _stop(params["stop"])
     return params
-
-
-def choices_count(body: Mapping[str, Any]) -> int:
-    return int(int_in(body, "n", 1, MAX_N, 1))
 
 
 def check_fan_out(prompts: int, n: int, max_choices: int) -> None:
@@ -485,18 +374,8 @@ def expand(
     return jobs
 
 
-def logprob_start(body: Mapping[str, Any]) -> int:
-    """``/generate``'s ``logprob_start_len``: -1 (the default; ``null`` too) for no prompt
-    logprobs, or a prompt position (``expand`` checks it against the prompt)."""
-    return int(int_in(body, "logprob_start_len", -1, INT_HIGH, -1))
-
-
 # -- prefill/decode disaggregation -------------------------------------------------------------
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-ROOM_MAX = 2**64 - 1  # rooms are unsigned 64-bit (SGLang's gateway draws them so)
-MAX_BOOTSTRAP_HOST = 255  # the longest DNS name
-BOOTSTRAP_HOST_PATTERN = r"^[A-Za-z0-9._:%\[\]-]+$"  # names, IPv4, IPv6 (bracketed or not)
-_HOST = re.compile(BOOTSTRAP_HOST_PATTERN.strip("^$"))
+BOOTSTRAP_FIELDS = tuple(request_models.BOOTSTRAP_TYPES)
 
 
 def bootstrap(
@@ -557,26 +436,30 @@ def bootstrap(
 
 
 def _bootstrap_value(name: str, value: Any, param: str) -> Any:
-    """One bootstrap field's value, checked; ``param`` names it in errors."""
+    """One bootstrap field's value, checked (``request_models.BOOTSTRAP_TYPES``); ``param``
+    names it in errors."""
     if value is None:  # only in a list: a null field is absent
         raise APIError(f"{param} must not be null", param=param)
-    box = {param: value}
-    if name == "bootstrap_port":
-        return int_in(box, param, 1, 65535)
-    if name == "bootstrap_room":
-        return int_in(box, param, 0, ROOM_MAX)
-    host = _typed(box, param, str, "a string")
-    too_long = len(host) > MAX_BOOTSTRAP_HOST
-    # The schema's pattern ends in ``$``, which also matches before a final newline (in
-    # JSON Schema validators and Python alike): such a host is taken without it.
-    host = host.removesuffix("\n")
-    if too_long or not _HOST.fullmatch(host):
+    if name == "bootstrap_host" and isinstance(value, str):
+        # The schema's pattern ends in ``$``, which also matches before a final newline in
+        # JSON Schema validators (Python's re among them): such a host is taken without it.
+        value = value.removesuffix("\n")
+    try:
+        return request_models.BOOTSTRAP_TYPES[name].validate_python(value, strict=True)
+    except ValidationError:
+        pass
+    if name == "bootstrap_host":
+        if not isinstance(value, str):
+            raise APIError(f"{param} must be a string, got {_show(value)}", param=param)
         raise APIError(
             f"{param} must be a host name or an IP address (1 to {MAX_BOOTSTRAP_HOST} "
-            f"letters, digits and . _ - : % [ ]), got {_show(host)}",
+            f"letters, digits and . _ - : % [ ]), got {_show(value)}",
             param=param,
         )
-    return host
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != int(value):
+        raise APIError(f"{param} must be an integer, got {_show(value)}", param=param)
+    low, high = (1, 65535) if name == "bootstrap_port" else (0, ROOM_MAX)
+    raise APIError(f"{param} must be in [{low}, {high}], got {_show(value)}", param=param)
 
 
 def check_one_choice(boot: list[dict[str, Any]] | None, n: int) -> None:
