@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 from starlette.requests import ClientDisconnect
 
-from tandem.server.generation import ClosingStreamingResponse, until_disconnect
+from tandem.server.sse import ClosingStreamingResponse, until_disconnect
 
 
 class FakeRequest:

@@ -31,10 +31,13 @@ from tandem.scheduler.models.tiny import SPECIAL_TOKENS, build_default_tokenizer
 from tandem.scheduler.text.tokenizer import SpecialTokens, Tokenizer
 from tandem.server import app as app_module
 from tandem.server import parsing, structured, tool_calls
-from tandem.server.app import ServerState, _full_choice, _tool_deltas
+from tandem.server.app import ServerState
 from tandem.server.config import ServerConfig
 from tandem.server.errors import APIError
 from tandem.server.generation import Choice, Event
+from tandem.server.routes import native as native_routes
+from tandem.server.routes import openai as openai_routes
+from tandem.server.routes.openai import _full_choice, _tool_deltas
 from tandem.server.tool_calls import Tool
 
 TIMEOUT = 120
@@ -528,7 +531,7 @@ def state() -> ServerState:
 
 def _chat(state: ServerState, **body: Any) -> tuple[list[parsing.Job], Any, str]:
     raw = json.dumps({"messages": USER, "max_tokens": 50, **body}).encode()
-    _, jobs, plan = app_module._prepare_chat(state, raw)
+    _, jobs, plan = openai_routes._prepare_chat(state, raw)
     assert state.tokenizer is not None
     return jobs, plan, state.tokenizer.decode(jobs[0].prompt_ids, skip_special_tokens=False)
 
@@ -560,10 +563,10 @@ def test_completion_jobs_carry_the_grammar(state: ServerState) -> None:
         {"prompt": "x", "response_format": {"type": "json_schema",
                                             "json_schema": {"name": "w", "schema": WEATHER_SCHEMA}}}
     ).encode()  # fmt: skip
-    _, jobs = app_module._prepare_completion(state, raw)
+    _, jobs = openai_routes._prepare_completion(state, raw)
     assert json.loads(jobs[0].params["json_schema"]) == WEATHER_SCHEMA
     raw = json.dumps({"text": "x", "sampling_params": {"regex": "[0-9]+"}}).encode()
-    _, jobs = app_module._prepare_native(state, raw)
+    _, jobs = native_routes._prepare_native(state, raw)
     assert jobs[0].params["regex"] == "[0-9]+"
 
 

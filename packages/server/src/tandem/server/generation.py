@@ -16,10 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from tandem.scheduler.sampling import SamplingParams
 from tandem.scheduler.text.detokenizer import IncrementalDetokenizer
@@ -209,21 +206,21 @@ async def collect(
                 choices[event.index].add(event)
 
     task = asyncio.create_task(gather())
-    gone = asyncio.create_task(_wait_disconnect(request))
+    gone = asyncio.create_task(wait_disconnect(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             # The client left: closing the jobs' iterator aborts them all at once.
-            await _cancel_and_wait(task)
+            await cancel_and_wait(task)
             raise APIError("the client disconnected", status=499)
         try:
             task.result()
         except Exception as exc:  # noqa: BLE001 - mapped to an HTTP status
             raise as_api_error(exc) from None
     finally:
-        await _cancel_and_wait(gone)
+        await cancel_and_wait(gone)
         if not task.done():
-            await _cancel_and_wait(task)
+            await cancel_and_wait(task)
     return [choices[i] for i in sorted(choices)]
 
 
@@ -254,65 +251,16 @@ async def with_first(first: Event | None, rest: AsyncIterator[Event]) -> AsyncIt
         await rest.aclose()  # type: ignore[attr-defined]
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client has gone away."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
 
 
-async def until_disconnect(request: Request, source: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Relay ``source`` until the client goes away, then close it (which aborts its jobs).
-
-    uvicorn silently drops writes to a closed connection, and Starlette only listens for
-    the disconnect on older ASGI versions, so a stream must watch for it itself. Newer
-    Starlette versions instead cancel the response's task group on disconnect; the
-    clean-up below is shielded from that cancellation and first stops the pending
-    ``anext`` step, because closing a generator that is still running raises instead of
-    aborting the jobs.
-    """
-    gone = asyncio.create_task(_wait_disconnect(request))
-    step: asyncio.Future[str] | None = None
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(source))
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                return
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        with anyio.CancelScope(shield=True):
-            await _cancel_and_wait(gone)
-            if step is not None:
-                await _cancel_and_wait(step)
-            await source.aclose()  # type: ignore[attr-defined]
-
-
-async def _cancel_and_wait(task: asyncio.Future[Any]) -> None:
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait until it has really stopped, whatever it raised."""
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
         await task
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator when it ends.
-
-    When the client goes away, Starlette may cancel the response while the body
-    generator sits suspended at a ``yield``; nothing then closes it until the garbage
-    collector does, which can be never, so the jobs behind it would run to the end.
-    Closing it here, shielded from the cancellation, runs its clean-up at once.
-    """
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                with anyio.CancelScope(shield=True):
-                    await close()

@@ -4,7 +4,7 @@ The SGLang Model Gateway (``smg``) takes a worker for SGLang when ``/server_info
 answers (``/get_server_info`` is its older name), reads ``/model_info`` (or
 ``/get_model_info``) for the model's facts, polls ``/v1/loads`` for its load-aware
 policies and sends ``POST /flush_cache`` to every worker when asked to flush. This
-module adds all of them but ``/server_info``, which ``app`` serves beside
+module adds all of them but ``/server_info``, which ``admin`` serves beside
 ``/get_server_info``; docs/guides/scaling-out.md lists every call ``smg`` makes.
 """
 
