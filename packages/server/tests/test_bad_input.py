@@ -325,11 +325,11 @@ def test_unexpected_errors_hide_their_text(caplog: pytest.LogCaptureFixture) -> 
         response = TestClient(app, raise_server_exceptions=False).get("/boom")
     assert response.status_code == 500
     assert "secret" not in response.text
-    request_id = response.headers["X-Request-Id"]
+    error_id = response.headers["X-Request-Id"]
     error = response.json()["error"]
     assert error["type"] == "server_error"
-    assert request_id in error["message"]
-    logged = [r for r in caplog.records if request_id in r.getMessage()]
+    assert error_id in error["message"]
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
     assert logged
     assert logged[0].exc_info is not None
     assert "secret detail" in str(logged[0].exc_info[1])

@@ -126,13 +126,13 @@ def install_handlers(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=error.status)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        request_id = uuid.uuid4().hex
+        error_id = uuid.uuid4().hex
         log.exception(
             "internal error answering %s %s (request id %s)",
-            request.method, request.url.path, request_id, exc_info=exc,
+            request.method, request.url.path, error_id, exc_info=exc,
         )  # fmt: skip
-        message = f"internal server error; the server log has the details under id {request_id}"
-        return JSONResponse(error_body(message, 500), 500, headers={"X-Request-Id": request_id})
+        message = f"internal server error; the server log has the details under id {error_id}"
+        return JSONResponse(error_body(message, 500), 500, headers={"X-Request-Id": error_id})
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

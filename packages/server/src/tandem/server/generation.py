@@ -120,10 +120,10 @@ def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RequestFailed):
         return APIError(str(exc), status=400 if exc.invalid else 500)
     # Never echo an unexpected exception's text to a client: it names internals.
-    request_id = uuid.uuid4().hex
-    log.error("generation failed (id %s)", request_id, exc_info=exc)
+    error_id = uuid.uuid4().hex
+    log.error("generation failed (id %s)", error_id, exc_info=exc)
     return APIError(
-        f"generation failed; the server log has the details under id {request_id}", status=500
+        f"generation failed; the server log has the details under id {error_id}", status=500
     )
 
 

@@ -225,7 +225,9 @@ HEALTH: dict[str, Any] = {
 
 _OBJECT = {"application/json": {"schema": {"type": "object"}}}
 GATEWAY_INFO: dict[str, Any] = {
-    "responses": {"200": {"description": "SGLang's fields (see routes/gateway.py)", "content": _OBJECT}}
+    "responses": {
+        "200": {"description": "SGLang's fields (see routes/gateway.py)", "content": _OBJECT}
+    }
 }
 FLUSH_CACHE: dict[str, Any] = {
     "responses": {

@@ -230,12 +230,12 @@ class Engine:
         for req in reqs:
             self._loop.add(Waiter(req, outbox=outbox))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, rid: str) -> None:
         """Abort a request (its ``meta_info["id"]``) wherever it is: queued,
         prefilling, decoding or in flight. Its caller receives a final result with
         ``finish_reason`` ``{"type": "abort", ...}``; its row and KV pages come back
         once no launched batch still uses them. Unknown or finished ids are ignored."""
-        self._loop.abort(request_id)
+        self._loop.abort(rid)
 
     def flush_cache(self) -> bool:
         """Empty the radix prefix cache (SGLang's ``flush_cache``), freeing its KV pages.

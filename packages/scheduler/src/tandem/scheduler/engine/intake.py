@@ -105,13 +105,13 @@ class Intake:
             item.logprob_start_len = self._logprob_start(i, start, item)
         if stream and parsed[0].params.n > 1:
             raise ValueError("stream=True takes n=1")
-        rids = self._request_ids(rid, parsed)
+        rids = self._rids(rid, parsed)
         self._check_speculative(parsed)
         boots = self._bootstraps(bootstrap, parsed)
         reqs = [
-            self._request(copy, request_id, times, text, boot)
+            self._request(copy, copy_rid, times, text, boot)
             for item, ids, boot in zip(parsed, rids, boots, strict=True)
-            for copy, request_id in zip(_copies(item), ids, strict=True)
+            for copy, copy_rid in zip(_copies(item), ids, strict=True)
         ]
         return single and len(reqs) == 1, reqs
 
@@ -225,9 +225,7 @@ class Intake:
         except ValueError as exc:
             raise ValueError(f"request {index}: {exc}") from None
 
-    def _request_ids(
-        self, rid: str | Sequence[str] | None, parsed: list[_Parsed]
-    ) -> list[list[str]]:
+    def _rids(self, rid: str | Sequence[str] | None, parsed: list[_Parsed]) -> list[list[str]]:
         """One id per request: the caller's (SGLang's ``rid``; with ``n > 1`` the
         copies get ``-1``, ``-2``... suffixes) or a fresh one. Ids in use are refused."""
         if rid is None:
