@@ -26,7 +26,7 @@ class Collect:
 
     def send(self, deltas: list[dict[str, Any]]) -> None:
         self.calls.append(deltas)
-        self._ended += sum(d["meta"].get("finish_reason") is not None for d in deltas)
+        self._ended += sum(d.meta.get("finish_reason") is not None for d in deltas)
         if self._ended >= self.want:
             self.done.set()
 
@@ -37,7 +37,7 @@ class Collect:
         out: dict[str, list[dict[str, Any]]] = {}
         for call in self.calls:
             for delta in call:
-                out.setdefault(delta["rid"], []).append(delta)
+                out.setdefault(delta.rid, []).append(delta)
         return out
 
 
@@ -67,21 +67,21 @@ def test_one_call_per_step_with_every_request(engine: Engine) -> None:
     assert sorted(got) == rids
     for rid, prompt, ref in zip(rids, PROMPTS, want, strict=True):
         deltas = got[rid]
-        assert [t for d in deltas for t in d["ids"]] == ref["output_ids"]
+        assert [t for d in deltas for t in d.ids] == ref["output_ids"]
         # Only the new logprobs travel, and together they are the request's logprobs.
-        logprobs = [pair for d in deltas for pair in d["logprobs"]]
+        logprobs = [pair for d in deltas for pair in d.logprobs]
         assert [tok for _, tok in logprobs] == ref["output_ids"]
         ref_lps = [lp for lp, _, _ in ref["meta_info"]["output_token_logprobs"]]
         assert [lp for lp, _ in logprobs] == pytest.approx(ref_lps, abs=1e-5)
-        last = deltas[-1]["meta"]
+        last = deltas[-1].meta
         assert last["finish_reason"] == {"type": "length", "length": 6}
         assert last["completion_tokens"] == 6
         assert last["prompt_tokens"] == len(prompt)
-        assert all(d["meta"].get("finish_reason") is None for d in deltas[:-1])
-        assert "text" not in deltas[0]
+        assert all(d.meta.get("finish_reason") is None for d in deltas[:-1])
+        assert deltas[0].text == "" and "text" not in deltas[0].wire()  # ids only
     # A step that advanced several requests reached the outbox as one call.
     assert max(len(call) for call in box.calls) > 1
-    assert all(len({d["rid"] for d in call}) == len(call) for call in box.calls)
+    assert all(len({d.rid for d in call}) == len(call) for call in box.calls)
     engine.scheduler.resources.check_idle()
 
 
@@ -104,8 +104,8 @@ def test_abort_by_the_callers_id(engine: Engine) -> None:
     engine.abort("drop")
     assert box.done.wait(60)
     got = box.by_rid()
-    assert got["drop"][-1]["meta"]["finish_reason"]["type"] == "abort"
-    assert got["keep"][-1]["meta"]["finish_reason"]["type"] == "length"
+    assert got["drop"][-1].meta["finish_reason"]["type"] == "abort"
+    assert got["keep"][-1].meta["finish_reason"]["type"] == "length"
     engine.scheduler.resources.check_idle()
 
 

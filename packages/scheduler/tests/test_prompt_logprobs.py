@@ -278,7 +278,7 @@ class _Outbox:
 
     def send(self, deltas: list[dict[str, Any]]) -> None:
         self.deltas.extend(deltas)
-        if sum(d["meta"].get("finish_reason") is not None for d in self.deltas) >= self.want:
+        if sum(d.meta.get("finish_reason") is not None for d in self.deltas) >= self.want:
             self.done.set()
 
     def fail(self, rid: str, error: BaseException) -> None:
@@ -299,11 +299,11 @@ def test_the_outbox_sends_prompt_logprobs_once(
         )  # fmt: skip
         assert outbox.done.wait(60)
         _clean(engine)
-    mine = [d for d in outbox.deltas if d["rid"] == "a"]
-    assert sum(len(d["ids"]) for d in mine) == 3
-    assert "input_logprobs" in mine[0]
-    assert all("input_logprobs" not in d for d in mine[1:])
-    pairs, tops = mine[0]["input_logprobs"], mine[0]["input_top_logprobs"]
+    mine = [d for d in outbox.deltas if d.rid == "a"]
+    assert sum(len(d.ids) for d in mine) == 3
+    assert mine[0].input_logprobs is not None
+    assert all(d.input_logprobs is None for d in mine[1:])
+    pairs, tops = mine[0].input_logprobs, mine[0].input_top_logprobs
     meta = {
         "input_token_logprobs": [(lp, tok, None) for lp, tok in pairs],
         "input_top_logprobs": [
@@ -311,7 +311,7 @@ def test_the_outbox_sends_prompt_logprobs_once(
         ],
     }
     _check(meta, ref, prompt, 0, top=1)
-    assert all("input_logprobs" not in d for d in outbox.deltas if d["rid"] == "b")
+    assert all(d.input_logprobs is None for d in outbox.deltas if d.rid == "b")
 
 
 def test_bad_logprob_start_len_is_refused(checkpoints: dict[str, Path]) -> None:

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tandem.scheduler.disagg import Bootstrap
+from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import app as app_module
@@ -63,13 +64,13 @@ class StandIn:
     async def close(self) -> None:
         self.alive = False
 
-    async def stream(self, jobs: list[dict[str, Any]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def stream(self, jobs: list[dict[str, Any]]) -> AsyncIterator[tuple[int, Delta]]:
         self.sent.append(jobs)
         for position, job in enumerate(jobs):
             steps = [[t] for t in self.tokens] or [[]]  # no token: only the finish
             for i, ids in enumerate(steps):
                 finish = self.finish if i == len(steps) - 1 else None
-                yield position, {"rid": job["rid"], "ids": ids, "meta": {"finish_reason": finish}}
+                yield position, Delta(job["rid"], ids, {"finish_reason": finish})
 
 
 @pytest.fixture(scope="module")

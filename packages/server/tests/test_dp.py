@@ -22,6 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import live_server, process_alive, stream_in_background
 
+from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.server.config import ServerConfig
 from tandem.server.dp_client import (
@@ -92,7 +93,7 @@ class FakeReplica:
                 meta = {"finish_reason": {"type": "length", "length": 1}}
                 for listener in self.finished_listeners:
                     listener(meta)
-                yield position, {"rid": job["rid"], "ids": [7], "meta": meta}
+                yield position, Delta(job["rid"], [7], meta)
         finally:
             self._queues.remove(queue)
 

@@ -27,6 +27,7 @@ from xgrammar.testing import _is_grammar_accept_string
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import LiveServer, live_server
 
+from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.models.tiny import SPECIAL_TOKENS, build_default_tokenizer
 from tandem.scheduler.text.tokenizer import SpecialTokens, Tokenizer
 from tandem.server import app as app_module
@@ -34,7 +35,7 @@ from tandem.server import parsing, structured, tool_calls
 from tandem.server.app import ServerState
 from tandem.server.config import ServerConfig
 from tandem.server.errors import APIError
-from tandem.server.generation import Choice, Event
+from tandem.server.generation import Choice
 from tandem.server.routes import native as native_routes
 from tandem.server.routes import openai as openai_routes
 from tandem.server.routes.openai import _full_choice, _tool_deltas
@@ -618,9 +619,9 @@ def test_a_conversation_with_tool_results(state: ServerState) -> None:
 JOBS = [parsing.Job(0, [1], {})]
 
 
-def _event(text: str, finish: str | None) -> Event:
+def _delta(text: str, finish: str | None) -> Delta:
     meta = {"finish_reason": None if finish is None else {"type": finish}}
-    return Event(0, text, [1] * len(text), [], [], meta)
+    return Delta("r", [1] * len(text), meta, text=text)
 
 
 def test_streamed_deltas_reassemble_to_the_full_response(state: ServerState) -> None:
@@ -636,7 +637,7 @@ def test_streamed_deltas_reassemble_to_the_full_response(state: ServerState) -> 
     for at in range(0, len(text), 5):
         piece = text[at : at + 5]
         last = at + 5 >= len(text)
-        chunks += _tool_deltas(state, _event(piece, "stop" if last else None), stream)
+        chunks += _tool_deltas(state, _delta(piece, "stop" if last else None), stream)
     assert [c["finish_reason"] for c in chunks].count("tool_calls") == 1
     assert chunks[-1]["finish_reason"] == "tool_calls"
     content = "".join(c["delta"].get("content", "") for c in chunks)

@@ -20,6 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.schedule.counters import Counters
 from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server.scheduler_client import RequestFailed, SchedulerClient, SchedulerUnavailable
@@ -200,7 +201,7 @@ class DataParallelClient:
         for replica in self.replicas:
             replica.fail_open(message)
 
-    async def stream(self, jobs: list[dict[str, Any]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def stream(self, jobs: list[dict[str, Any]]) -> AsyncIterator[tuple[int, Delta]]:
         """``SchedulerClient.stream`` on the replica with the fewest open jobs."""
         if not self.alive:
             self._check_replicas()
@@ -217,7 +218,7 @@ class DataParallelClient:
         try:
             async with contextlib.aclosing(self.replicas[index].stream(jobs)) as deltas:
                 async for position, delta in deltas:
-                    if delta["meta"].get("finish_reason") is not None:
+                    if delta.meta.get("finish_reason") is not None:
                         running -= 1
                         self._load[index] -= 1
                     yield position, delta

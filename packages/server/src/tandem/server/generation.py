@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
+from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.sampling import SamplingParams
 from tandem.scheduler.text.detokenizer import IncrementalDetokenizer
 from tandem.scheduler.text.stop import StopChecker
@@ -31,32 +32,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Event:
-    """One chunk of one choice."""
-
-    index: int
-    text: str
-    ids: list[int]
-    logprobs: list[list[Any]]
-    top_logprobs: list[list[list[Any]]]
-    meta: dict[str, Any]
-    # The prompt's logprobs (``[logprob, id]`` pairs from ``logprob_start_len`` on, the
-    # first prompt token's logprob None) and top alternatives (None at the first), on
-    # the choice's first event when it asked for them.
-    input_logprobs: list[list[Any]] | None = None
-    input_top_logprobs: list[list[list[Any]] | None] | None = None
-
-    @property
-    def finish_reason(self) -> str | None:
-        reason = self.meta.get("finish_reason")
-        if reason is None:
-            return None
-        return "length" if reason.get("type") == "length" else "stop"
-
-
-@dataclass
 class Choice:
-    """A finished choice, accumulated from its events."""
+    """A finished choice, accumulated from its deltas."""
 
     index: int
     text: str = ""
@@ -68,16 +45,16 @@ class Choice:
     input_logprobs: list[list[Any]] = field(default_factory=list)
     input_top_logprobs: list[list[list[Any]] | None] = field(default_factory=list)
 
-    def add(self, event: Event) -> None:
-        self.text += event.text
-        self.ids.extend(event.ids)
-        self.logprobs.extend(event.logprobs)
-        self.top_logprobs.extend(event.top_logprobs)
-        if event.input_logprobs is not None:
-            self.input_logprobs = event.input_logprobs
-            self.input_top_logprobs = event.input_top_logprobs or []
-        self.meta = event.meta
-        self.finish_reason = event.finish_reason
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.ids.extend(delta.ids)
+        self.logprobs.extend(delta.logprobs)
+        self.top_logprobs.extend(delta.top_logprobs)
+        if delta.input_logprobs is not None:
+            self.input_logprobs = delta.input_logprobs
+            self.input_top_logprobs = delta.input_top_logprobs or []
+        self.meta = delta.meta
+        self.finish_reason = delta.finish_reason
 
 
 class TextStream:
@@ -129,10 +106,10 @@ def as_api_error(exc: BaseException) -> APIError:
 
 async def run_jobs(
     client: SchedulerClient, metrics: Metrics, jobs: list[Job], rid: str | None = None
-) -> AsyncIterator[Event]:
-    """Merged events of all jobs; raises the first failure. Each job runs under a rid
-    of this process's making (``rid`` itself for a single job that names one), so
-    the scheduler needs no id map of its own."""
+) -> AsyncIterator[Delta]:
+    """Merged deltas of all jobs, each with its text and its choice index; raises the
+    first failure. Each job runs under a rid of this process's making (``rid`` itself
+    for a single job that names one), so the scheduler needs no id map of its own."""
     if not client.alive:
         raise SchedulerUnavailable("the scheduler process is not running")
     base = uuid.uuid4().hex
@@ -159,9 +136,8 @@ async def run_jobs(
         async with contextlib.aclosing(client.stream(wire)) as deltas:
             async for position, delta in deltas:
                 job = jobs[position]
-                ids = delta["ids"]
-                meta = delta["meta"]
-                finish = meta.get("finish_reason")
+                ids = delta.ids
+                finish = delta.meta.get("finish_reason")
                 now = time.perf_counter()
                 if ids:
                     latency = metrics.itl if counts[position] else metrics.ttft
@@ -170,22 +146,16 @@ async def run_jobs(
                     counts[position] += len(ids)
                 if finish is not None:
                     metrics.e2e.observe(now - start)
-                yield Event(
-                    job.index,
-                    texts[position].step(ids, finish),
-                    ids,
-                    delta.get("logprobs") or [],
-                    delta.get("top_logprobs") or [],
-                    {
-                        "id": wire[position]["rid"],
-                        "finish_reason": finish,
-                        "prompt_tokens": len(job.prompt_ids),
-                        "completion_tokens": counts[position],
-                        **meta,
-                    },
-                    delta.get("input_logprobs"),
-                    delta.get("input_top_logprobs"),
-                )
+                delta.index = job.index
+                delta.text = texts[position].step(ids, finish)
+                delta.meta = {
+                    "id": wire[position]["rid"],
+                    "finish_reason": finish,
+                    "prompt_tokens": len(job.prompt_ids),
+                    "completion_tokens": counts[position],
+                    **delta.meta,
+                }
+                yield delta
     finally:
         metrics.inflight.dec()
 
@@ -201,9 +171,9 @@ async def collect(
     choices = {job.index: Choice(job.index) for job in jobs}
 
     async def gather() -> None:
-        async with contextlib.aclosing(run_jobs(client, metrics, jobs, rid)) as events:
-            async for event in events:
-                choices[event.index].add(event)
+        async with contextlib.aclosing(run_jobs(client, metrics, jobs, rid)) as deltas:
+            async for delta in deltas:
+                choices[delta.index].add(delta)
 
     task = asyncio.create_task(gather())
     gone = asyncio.create_task(wait_disconnect(request))
@@ -225,28 +195,28 @@ async def collect(
 
 
 async def first_then_rest(
-    events: AsyncIterator[Event],
-) -> tuple[Event | None, AsyncIterator[Event]]:
-    """Wait for the first event before answering 200, so that a request the scheduler
+    deltas: AsyncIterator[Delta],
+) -> tuple[Delta | None, AsyncIterator[Delta]]:
+    """Wait for the first delta before answering 200, so that a request the scheduler
     rejects still gets a proper 4xx instead of a broken stream."""
     try:
-        first = await anext(events)
+        first = await anext(deltas)
     except StopAsyncIteration:
-        return None, events
+        return None, deltas
     except Exception as exc:  # noqa: BLE001
-        await events.aclose()  # type: ignore[attr-defined]
+        await deltas.aclose()  # type: ignore[attr-defined]
         raise as_api_error(exc) from None
-    return first, events
+    return first, deltas
 
 
-async def with_first(first: Event | None, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+async def with_first(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
     """``first`` (taken by ``first_then_rest``) followed by the rest; closing this
     closes ``rest`` too, which aborts the jobs behind it."""
     try:
         if first is not None:
             yield first
-        async for event in rest:
-            yield event
+        async for delta in rest:
+            yield delta
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
 

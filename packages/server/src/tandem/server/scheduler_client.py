@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import protocol, scheduler_process
 
@@ -50,9 +51,7 @@ class _Ticket:
 
     positions: dict[str, int]
     """Each job's rid -> its position in the request."""
-    deltas: asyncio.Queue[tuple[int, dict[str, Any]] | BaseException] = field(
-        default_factory=asyncio.Queue
-    )
+    deltas: asyncio.Queue[tuple[int, Delta] | BaseException] = field(default_factory=asyncio.Queue)
 
 
 class SchedulerClient:
@@ -169,10 +168,10 @@ class SchedulerClient:
         self._fail_all(SchedulerUnavailable(message))
 
     # -- requests ------------------------------------------------------------------------------
-    async def stream(self, jobs: list[dict[str, Any]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def stream(self, jobs: list[dict[str, Any]]) -> AsyncIterator[tuple[int, Delta]]:
         """Run one HTTP request's jobs (``protocol.ADD`` entries, each with a fresh
         ``rid``); yield ``(position, delta)`` as deltas arrive until every job has its
-        last one (``delta["meta"]["finish_reason"]`` set).
+        last one (``delta.meta["finish_reason"]`` set).
 
         Leaving the iteration early (a client that went away) aborts every job still
         running, in one message.
@@ -196,8 +195,8 @@ class SchedulerClient:
                         running.clear()  # the scheduler refused or ended them itself
                     raise item
                 position, delta = item
-                if delta["meta"].get("finish_reason") is not None:
-                    running.discard(delta["rid"])
+                if delta.meta.get("finish_reason") is not None:
+                    running.discard(delta.rid)
                 yield position, delta
         finally:
             for rid in rids:
@@ -236,8 +235,8 @@ class SchedulerClient:
                     self._steps_seen, self._last_progress = steps, self._last_heard
             elif kind == protocol.STEP:
                 self._last_progress = self._last_heard
-                for delta in msg["out"]:
-                    self._route(delta)
+                for data in msg["out"]:
+                    self._route(Delta.from_wire(data))
             elif kind == protocol.FATAL:  # the engine cannot go on (a rank exited)
                 log.error("the scheduler failed: %s", msg["message"])
                 self._gone(SchedulerUnavailable(f"the engine failed: {msg['message']}"))
@@ -254,14 +253,14 @@ class SchedulerClient:
                 if ticket is not None:
                     ticket.deltas.put_nowait(error)
 
-    def _route(self, delta: dict[str, Any]) -> None:
-        meta = delta["meta"]
+    def _route(self, delta: Delta) -> None:
+        meta = delta.meta
         if meta.get("finish_reason") is not None:
             for listener in self.finished_listeners:
                 listener(meta)
-        ticket = self._open.get(delta["rid"])
+        ticket = self._open.get(delta.rid)
         if ticket is not None:
-            ticket.deltas.put_nowait((ticket.positions[delta["rid"]], delta))
+            ticket.deltas.put_nowait((ticket.positions[delta.rid], delta))
 
     async def _watch(self) -> None:
         proc = self._proc

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from tandem.scheduler.disagg import Bootstrap
+from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.engine.gc_freeze import freeze_long_lived
 from tandem.server import protocol
 
@@ -35,8 +36,9 @@ class StepSender:
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.sock = sock
 
-    def send(self, deltas: list[dict[str, Any]]) -> None:
-        self.sock.send(protocol.encode({"type": protocol.STEP, "out": deltas}))
+    def send(self, deltas: list[Delta]) -> None:
+        out = [delta.wire() for delta in deltas]
+        self.sock.send(protocol.encode({"type": protocol.STEP, "out": out}))
 
     def fail(self, rid: str, error: BaseException) -> None:
         log.error("request %s failed: %s", rid, error)

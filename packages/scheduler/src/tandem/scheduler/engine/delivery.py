@@ -1,4 +1,4 @@
-"""Result streams: where the loop thread delivers a request's chunks, and how callers
+"""Result delivery: where the loop thread hands a request's results, and how callers
 read them.
 
 A ``Waiter`` queues chunks for one request; ``ChunkReader`` reads them back, as a sync
@@ -20,20 +20,59 @@ from typing import Any, Protocol
 from tandem.scheduler.request import Request
 
 Chunk = dict[str, Any]
-Delta = dict[str, Any]
+"""What ``Engine.generate`` yields: SGLang's ``text``, ``output_ids`` and ``meta_info``."""
+
+_WIRE_LISTS = ("logprobs", "top_logprobs")
+_WIRE_OPTIONAL = ("input_logprobs", "input_top_logprobs")
+
+
+@dataclass(slots=True)
+class Delta:
+    """One request's news from one step, the one shape from the loop thread to the SSE
+    frame: its new token ``ids``, only its new logprobs, and ``meta`` (``cached_tokens``;
+    on the last delta also ``finish_reason``, the token counts and ``spec_verify_ct``).
+    The loop thread has no text: whoever reads the ids decodes them once, into ``text``,
+    and numbers the request's choice (``index``)."""
+
+    rid: str
+    ids: list[int]
+    meta: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[list[Any]] = field(default_factory=list)  # [logprob, id] per new token
+    top_logprobs: list[list[list[Any]]] = field(default_factory=list)  # pairs per token
+    # Prompt logprobs, on the first delta when asked for: [logprob, id] pairs from
+    # ``logprob_start_len`` on (the first prompt token's logprob None), and the top
+    # alternatives per prompt position (None at the first).
+    input_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[list[list[Any]] | None] | None = None
+    text: str = ""
+    index: int = 0
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's word for how the request ended (``length`` or ``stop``), or None."""
+        reason = self.meta.get("finish_reason")
+        if reason is None:
+            return None
+        return "length" if reason.get("type") == "length" else "stop"
+
+    def wire(self) -> dict[str, Any]:
+        """The delta as plain data (msgpack between processes), without empty fields."""
+        out: dict[str, Any] = {"rid": self.rid, "ids": self.ids, "meta": self.meta}
+        out.update((k, getattr(self, k)) for k in _WIRE_LISTS if getattr(self, k))
+        out.update((k, getattr(self, k)) for k in _WIRE_OPTIONAL if getattr(self, k) is not None)
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Delta:
+        return cls(
+            data["rid"], data["ids"], data["meta"],
+            *(data.get(k) or [] for k in _WIRE_LISTS),
+            *(data.get(k) for k in _WIRE_OPTIONAL),
+        )  # fmt: skip
 
 
 class Outbox(Protocol):
-    """Takes a step's deltas for all its requests at once, on the loop thread.
-
-    A delta holds a request's ``rid``, its new token ``ids``, only its new logprobs
-    (``logprobs``: ``[logprob, id]`` pairs; ``top_logprobs``: a list of those pairs per
-    token), with prompt logprobs asked for, on its first delta, ``input_logprobs``
-    (``[logprob, id]`` pairs from ``logprob_start_len`` on, the first prompt token's
-    logprob ``None``) and ``input_top_logprobs`` (a list of pairs, or ``None``, per
-    prompt position), and ``meta`` (``cached_tokens``; on the last delta also
-    ``finish_reason``, the token counts and ``spec_verify_ct``). No text: whoever reads
-    the ids decodes them, once."""
+    """Takes a step's deltas for all its requests at once, on the loop thread."""
 
     def send(self, deltas: list[Delta]) -> None: ...
 

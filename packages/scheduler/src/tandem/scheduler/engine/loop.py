@@ -222,27 +222,27 @@ class EngineLoop:
         req = update.req
         if not update.new_ids and not update.finished:
             return None
-        delta: Delta = {"rid": req.rid, "ids": list(update.new_ids)}
+        delta = Delta(req.rid, list(update.new_ids))
         meta: dict[str, Any] = {"cached_tokens": req.cached_tokens}
         if req.return_logprob:
             start, waiter.sent_logprobs = waiter.sent_logprobs, len(req.output_logprobs)
-            delta["logprobs"] = [
+            delta.logprobs = [
                 [lp, tok]
                 for lp, tok in zip(
                     req.output_logprobs[start:], req.output_ids[start:], strict=False
                 )
             ]
             if req.top_logprobs_num:
-                delta["top_logprobs"] = [
+                delta.top_logprobs = [
                     [[lp, tok] for lp, tok in step] for step in req.output_top_logprobs[start:]
                 ]
             if req.wants_input_logprobs and not waiter.sent_input_logprobs:
                 # All at once, on the first delta: the step that samples the first token
                 # computed the last of them.
                 waiter.sent_input_logprobs = True
-                delta["input_logprobs"] = [[lp, tok] for lp, tok in _input_pairs(req)]
+                delta.input_logprobs = [[lp, tok] for lp, tok in _input_pairs(req)]
                 if req.top_logprobs_num:
-                    delta["input_top_logprobs"] = [
+                    delta.input_top_logprobs = [
                         None if step is None else [[lp, tok] for lp, tok in step]
                         for step in req.input_top_logprobs
                     ]
@@ -255,7 +255,7 @@ class EngineLoop:
             )
             if self.speculative:
                 meta["spec_verify_ct"] = req.spec_verify_ct
-        delta["meta"] = meta
+        delta.meta = meta
         return delta
 
     def _meta(self, req: Request, waiter: Waiter) -> dict[str, Any]:

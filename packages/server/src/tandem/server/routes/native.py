@@ -95,13 +95,13 @@ async def _native(
             choice = (await collect(st.client, st.metrics, jobs, request, rid))[0]
         return JSONResponse(_native_result(choice.text, choice.ids, choice, shape))
     with grammar_errors(None, None):
-        first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs, rid))
+        first, deltas = await first_then_rest(run_jobs(st.client, st.metrics, jobs, rid))
 
     async def results() -> AsyncGenerator[dict[str, Any], None]:
         acc = Choice(0)
-        async with contextlib.aclosing(with_first(first, events)) as all_events:
-            async for event in all_events:
-                acc.add(event)
+        async with contextlib.aclosing(with_first(first, deltas)) as all_deltas:
+            async for delta in all_deltas:
+                acc.add(delta)
                 yield _native_result(acc.text, acc.ids, acc, shape)
 
     return sse.response(request, results())

@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions`` and
 ``/v1/chat/completions``, from a request's body to its jobs (on the ``Preparer``'s
-threads, never on the event loop) and from the jobs' events to OpenAI's response and
+threads, never on the event loop) and from the jobs' deltas to OpenAI's response and
 chunk shapes: choices, tool calls, logprobs, ``echo`` and usage."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.scheduler.engine.delivery import Delta
 from tandem.server import openapi_schemas, parsing, request_models, sse, structured, tool_calls
 from tandem.server.errors import APIError
-from tandem.server.generation import Choice, Event, collect, first_then_rest, run_jobs, with_first
+from tandem.server.generation import Choice, collect, first_then_rest, run_jobs, with_first
 from tandem.server.parsing import Job
 from tandem.server.routes.common import (
     encode,
@@ -325,12 +326,12 @@ async def _respond(
         )
     include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
     with grammar_errors(body, tools):
-        first, events = await first_then_rest(run_jobs(st.client, st.metrics, jobs))
+        first, deltas = await first_then_rest(run_jobs(st.client, st.metrics, jobs))
     if first is not None:
         try:
             _check_handed_over(jobs, first.meta)
         except APIError:
-            await events.aclose()  # type: ignore[attr-defined]
+            await deltas.aclose()  # type: ignore[attr-defined]
             raise
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -357,20 +358,20 @@ async def _respond(
                     for j in jobs
                 ]
             )  # fmt: skip
-        async with contextlib.aclosing(with_first(first, events)) as all_events:
-            async for event in all_events:
-                _check_handed_over(jobs, event.meta)
-                completion += len(event.ids)
-                if not event.text and event.finish_reason is None and not event.ids:
+        async with contextlib.aclosing(with_first(first, deltas)) as all_deltas:
+            async for delta in all_deltas:
+                _check_handed_over(jobs, delta.meta)
+                completion += len(delta.ids)
+                if not delta.text and delta.finish_reason is None and not delta.ids:
                     continue
-                if event.index in calls:
-                    for choice in _tool_deltas(st, event, calls[event.index]):
+                if delta.index in calls:
+                    for choice in _tool_deltas(st, delta, calls[delta.index]):
                         yield chunk([choice])
                 else:
-                    echo = echoes.pop(event.index, None)
-                    choice = _delta_choice(st, event, chat, echo, sent[event.index])
+                    echo = echoes.pop(delta.index, None)
+                    choice = _delta_choice(st, delta, chat, echo, sent[delta.index])
                     if not chat:
-                        sent[event.index] += len(choice["text"])
+                        sent[delta.index] += len(choice["text"])
                     yield chunk([choice])
         if include_usage:
             yield chunk([], _usage(jobs, completion))
@@ -426,8 +427,8 @@ def _echoed(
     return [*(prompt_lps or []), *lps], [*prompt_tops, *tops] if prompt_tops else tops
 
 
-def _tool_deltas(st: ServerState, e: Event, stream: tool_calls.CallStream) -> list[dict[str, Any]]:
-    """A chat event's choices with tool calls parsed out: text as ``content``, each call
+def _tool_deltas(st: ServerState, e: Delta, stream: tool_calls.CallStream) -> list[dict[str, Any]]:
+    """A chat delta's choices with tool calls parsed out: text as ``content``, each call
     as its name, then its arguments, in OpenAI's ``tool_calls`` delta shape. Logprobs
     ride on the first, the finish reason on the last."""
     pieces = stream.feed(e.text)
@@ -472,9 +473,9 @@ def _tool_deltas(st: ServerState, e: Event, stream: tool_calls.CallStream) -> li
 
 
 def _delta_choice(
-    st: ServerState, e: Event, chat: bool, echo: str | None = None, offset: int = 0
+    st: ServerState, e: Delta, chat: bool, echo: str | None = None, offset: int = 0
 ) -> dict[str, Any]:
-    """One event as a chunk's choice; ``echo``: the prompt's text, which this first chunk
+    """One delta as a chunk's choice; ``echo``: the prompt's text, which this first chunk
     of a completion's choice starts with (and its logprobs with the prompt's);
     ``offset``: the characters the choice's earlier chunks held (``text_offset``)."""
     if chat:
