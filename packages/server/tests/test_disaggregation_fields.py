@@ -30,7 +30,7 @@ from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import app as app_module
 from tandem.server import cli, protocol, scheduler_process
-from tandem.server.config import ServerConfig
+from tandem.server.server_config import ServerConfig
 
 BOOT = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 2**64 - 1}
 CHAT = "/v1/chat/completions"

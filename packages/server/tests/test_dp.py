@@ -24,7 +24,6 @@ from server_process import live_server, process_alive, stream_in_background
 
 from tandem.scheduler.engine.delivery import Delta
 from tandem.scheduler.models.tiny import default_model_path
-from tandem.server.config import ServerConfig
 from tandem.server.dp_client import (
     DIST_PORT_STRIDE,
     DataParallelClient,
@@ -34,6 +33,7 @@ from tandem.server.dp_client import (
 )
 from tandem.server.front_door import public_info
 from tandem.server.scheduler_client import RequestFailed, SchedulerUnavailable
+from tandem.server.server_config import ServerConfig
 
 KEY = "sk-dp"  # /get_server_info shows the replicas' pids only with the key
 AUTH = {"Authorization": f"Bearer {KEY}"}

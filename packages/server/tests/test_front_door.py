@@ -23,10 +23,10 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 sys.path.insert(0, str(Path(__file__).parent))
 from server_process import call_asgi, free_port, live_server
 
-from tandem.server.config import ServerConfig
 from tandem.server.errors import install_handlers
 from tandem.server.front_door import authenticated, host_name, install_front_door, public_info
 from tandem.server.lifecycle import Lifecycle
+from tandem.server.server_config import ServerConfig
 
 KEY = "sk-front-door-test"
 LIMIT = 1024

@@ -31,12 +31,12 @@ from server_process import call_asgi
 
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
-from tandem.server.config import ServerConfig
 from tandem.server.errors import install_handlers
 from tandem.server.front_door import install_front_door
 from tandem.server.lifecycle import Lifecycle
 from tandem.server.routes import gateway
 from tandem.server.scheduler_client import SchedulerUnavailable
+from tandem.server.server_config import ServerConfig
 
 bench = load_module(ROOT / "tools" / "gateway_bench.py", "gateway_bench_under_test")
 KEY = "sk-gateway-test"

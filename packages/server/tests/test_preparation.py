@@ -12,11 +12,11 @@ import pytest
 
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
-from tandem.server.config import ServerConfig
 from tandem.server.errors import APIError
 from tandem.server.parsing import Limits
 from tandem.server.prepare import Preparer
 from tandem.server.routes.openai import _chat_prompt
+from tandem.server.server_config import ServerConfig
 
 
 def test_past_the_queue_a_request_is_refused_with_retry_after() -> None:

@@ -33,12 +33,12 @@ from tandem.scheduler.text.tokenizer import SpecialTokens, Tokenizer
 from tandem.server import app as app_module
 from tandem.server import parsing, structured, tool_calls
 from tandem.server.app import ServerState
-from tandem.server.config import ServerConfig
 from tandem.server.errors import APIError
 from tandem.server.generation import Choice
 from tandem.server.routes import native as native_routes
 from tandem.server.routes import openai as openai_routes
 from tandem.server.routes.openai import _full_choice, _tool_deltas
+from tandem.server.server_config import ServerConfig
 from tandem.server.tool_calls import Tool
 
 TIMEOUT = 120

@@ -20,7 +20,6 @@ from tandem.scheduler.engine.gc_freeze import freeze_long_lived
 from tandem.scheduler.text.stop import StopLimits
 from tandem.scheduler.text.tokenizer import Tokenizer
 from tandem.server import openapi_schemas, prepare, tool_calls
-from tandem.server.config import ServerConfig
 from tandem.server.dp_client import DataParallelClient
 from tandem.server.errors import install_handlers
 from tandem.server.front_door import install_front_door
@@ -30,6 +29,7 @@ from tandem.server.parsing import Limits
 from tandem.server.prepare import Preparer
 from tandem.server.routes import admin, gateway, native, openai
 from tandem.server.scheduler_client import SchedulerClient
+from tandem.server.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 

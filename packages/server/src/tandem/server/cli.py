@@ -24,7 +24,7 @@ import uvicorn
 from tandem.scheduler import config as engine_config
 from tandem.scheduler.config import EngineConfig
 from tandem.server import sglang_flags
-from tandem.server.config import ServerConfig, default_api_key
+from tandem.server.server_config import ServerConfig, default_api_key
 
 _CHOICES = {
     "dtype": engine_config.DTYPES,

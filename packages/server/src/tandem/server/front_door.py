@@ -21,9 +21,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem.server.config import ServerConfig
 from tandem.server.errors import error_body
 from tandem.server.lifecycle import Lifecycle
+from tandem.server.server_config import ServerConfig
 
 _AUTHENTICATED = "tandem.authenticated"  # scope key: the request presented the API key
 _OPEN_WHILE_NOT_ACCEPTING = ("/health", "/metrics")

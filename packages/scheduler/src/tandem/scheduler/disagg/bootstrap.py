@@ -4,7 +4,7 @@ A prefill server runs a ``BootstrapServer`` on ``disaggregation_bootstrap_port``
 decode server dials it once per prefill server (``BootstrapClient``) and keeps the
 connection. Only who is who and where the pages are go over this channel; the KV moves
 over the transfer engine (``transfer``). Messages are dicts with an ``op`` (listed at
-``Message``). Both ends hand what they receive to the scheduler thread as ``Event``s
+``Message``). Both ends hand what they receive to the scheduler thread as ``PeerEvent``s
 through a queue, and call ``wake`` so an idle loop looks at once.
 """
 
@@ -33,7 +33,7 @@ _MAX_LINE = 64 << 20  # a want's page list for a very long prompt stays far belo
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
+class PeerEvent:
     """Something the peer said (``op`` of its message), or ``lost`` with a reason."""
 
     op: str
@@ -45,14 +45,14 @@ class Inbox:
     """Events for the scheduler thread, with the loop's wake-up call."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
-        self._events: queue.Queue[Event] = queue.Queue()
+        self._events: queue.Queue[PeerEvent] = queue.Queue()
         self.wake = wake
 
-    def put(self, event: Event) -> None:
+    def put(self, event: PeerEvent) -> None:
         self._events.put(event)
         self.wake()
 
-    def drain(self) -> list[Event]:
+    def drain(self) -> list[PeerEvent]:
         out = []
         while True:
             try:
@@ -173,7 +173,7 @@ class BootstrapServer:
                 message = peer._line.receive()
                 if message is None:
                     break
-                self._inbox.put(Event(message["op"], peer, message))
+                self._inbox.put(PeerEvent(message["op"], peer, message))
         except (OSError, ValueError) as exc:
             reason = f"broke the connection ({exc})"
         finally:
@@ -183,7 +183,7 @@ class BootstrapServer:
                 if peer in self._peers:
                     self._peers.remove(peer)
             if peer.endpoint:
-                self._inbox.put(Event("lost", peer, {"message": f"{peer} {reason}"}))
+                self._inbox.put(PeerEvent("lost", peer, {"message": f"{peer} {reason}"}))
 
     def close(self) -> None:
         with self._lock:
@@ -233,7 +233,7 @@ class _Connection:
                 reason = f"refused this decode server: {answer.get('message')}"
                 return
             sock.settimeout(None)
-            self.client.inbox.put(Event("welcome", self.address, answer))
+            self.client.inbox.put(PeerEvent("welcome", self.address, answer))
             with self.lock:
                 self.ready = True
                 backlog, self.backlog = self.backlog, []
@@ -243,7 +243,7 @@ class _Connection:
                 message = line.receive()
                 if message is None:
                     break
-                self.client.inbox.put(Event(message["op"], self.address, message))
+                self.client.inbox.put(PeerEvent(message["op"], self.address, message))
         except (OSError, ValueError) as exc:
             reason = f"is unreachable or broke the connection ({exc})"
         finally:
@@ -251,7 +251,9 @@ class _Connection:
             if self.line is not None:
                 self.line.close()
             self.client.inbox.put(
-                Event("lost", self.address, {"message": f"prefill server {host}:{port} {reason}"})
+                PeerEvent(
+                    "lost", self.address, {"message": f"prefill server {host}:{port} {reason}"}
+                )
             )
 
 

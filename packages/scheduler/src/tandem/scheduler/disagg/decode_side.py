@@ -24,7 +24,7 @@ import torch
 
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.disagg import layout
-from tandem.scheduler.disagg.bootstrap import BootstrapClient, Event, Inbox, Message
+from tandem.scheduler.disagg.bootstrap import BootstrapClient, Inbox, Message, PeerEvent
 from tandem.scheduler.disagg.transfer import KEY_LIMIT, KVTransport
 from tandem.scheduler.kv.resources import Resources
 from tandem.scheduler.messages import PenaltyReset, ScheduledBatch, StepResult, Update
@@ -129,7 +129,7 @@ class DecodeSide:
         self._admit(updates, now)
         return updates
 
-    def _on(self, event: Event, updates: list[Update]) -> None:
+    def _on(self, event: PeerEvent, updates: list[Update]) -> None:
         message = event.message
         room = message.get("room")
         if event.op == "welcome":

@@ -19,7 +19,7 @@ from typing import Any
 
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.disagg import layout
-from tandem.scheduler.disagg.bootstrap import BootstrapServer, Event, Inbox, Message, Peer
+from tandem.scheduler.disagg.bootstrap import BootstrapServer, Inbox, Message, Peer, PeerEvent
 from tandem.scheduler.disagg.transfer import KVTransport
 from tandem.scheduler.kv.pools import PagedKVPool
 from tandem.scheduler.messages import ScheduledBatch, Update
@@ -155,7 +155,7 @@ class PrefillSide:
                 del self.gone[room]
         return updates
 
-    def _on(self, event: Event, updates: list[Update]) -> None:
+    def _on(self, event: PeerEvent, updates: list[Update]) -> None:
         message, peer = event.message, event.peer
         room = message.get("room")
         if event.op == "want" and isinstance(room, int):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.server.bench import offline as bench
-from tandem.server.config import default_api_key
+from tandem.server.server_config import default_api_key
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _WORDS = ("the", "model", "serves", "tokens", "quickly", "and", "with", "care", "a", "batch")
