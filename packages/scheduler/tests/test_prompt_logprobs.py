@@ -17,7 +17,7 @@ from engine_checks import idle_clean
 from reference_models import VOCAB, load_reference
 
 from tandem.scheduler import Engine
-from tandem.scheduler.engine.delivery import with_logprob_text
+from tandem.scheduler.engine.delivery import Delta, with_logprob_text
 from tandem.scheduler.engine.intake import Intake
 
 TOL = 1e-4  # absolute, on logprobs: float32 both sides, different kernels
@@ -302,6 +302,7 @@ def test_the_outbox_sends_prompt_logprobs_once(
     mine = [d for d in outbox.deltas if d.rid == "a"]
     assert sum(len(d.ids) for d in mine) == 3
     assert mine[0].input_logprobs is not None
+    assert Delta.from_wire(mine[0].wire()) == mine[0]  # the prompt logprobs travel too
     assert all(d.input_logprobs is None for d in mine[1:])
     pairs, tops = mine[0].input_logprobs, mine[0].input_top_logprobs
     meta = {

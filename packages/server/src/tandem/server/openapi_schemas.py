@@ -143,7 +143,6 @@ def _error(description: str, **headers: str) -> dict[str, Any]:
     return out
 
 
-_ERROR = _error("the error")
 _BAD_REQUEST = _error(
     "a field the server refuses (param names it), a body that is not JSON, or a Host header "
     "that is not allowed"

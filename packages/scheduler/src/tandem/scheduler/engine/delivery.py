@@ -22,9 +22,6 @@ from tandem.scheduler.request import Request
 Chunk = dict[str, Any]
 """What ``Engine.generate`` yields: SGLang's ``text``, ``output_ids`` and ``meta_info``."""
 
-_WIRE_LISTS = ("logprobs", "top_logprobs")
-_WIRE_OPTIONAL = ("input_logprobs", "input_top_logprobs")
-
 
 @dataclass(slots=True)
 class Delta:
@@ -55,20 +52,17 @@ class Delta:
             return None
         return "length" if reason.get("type") == "length" else "stop"
 
-    def wire(self) -> dict[str, Any]:
-        """The delta as plain data (msgpack between processes), without empty fields."""
-        out: dict[str, Any] = {"rid": self.rid, "ids": self.ids, "meta": self.meta}
-        out.update((k, getattr(self, k)) for k in _WIRE_LISTS if getattr(self, k))
-        out.update((k, getattr(self, k)) for k in _WIRE_OPTIONAL if getattr(self, k) is not None)
-        return out
+    def wire(self) -> list[Any]:
+        """The delta as plain data for msgpack between processes: its fields up to the
+        text, in order (an array, so no field name travels with every delta)."""
+        return [
+            self.rid, self.ids, self.meta, self.logprobs, self.top_logprobs,
+            self.input_logprobs, self.input_top_logprobs,
+        ]  # fmt: skip
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Delta:
-        return cls(
-            data["rid"], data["ids"], data["meta"],
-            *(data.get(k) or [] for k in _WIRE_LISTS),
-            *(data.get(k) for k in _WIRE_OPTIONAL),
-        )  # fmt: skip
+    def from_wire(cls, data: list[Any]) -> Delta:
+        return cls(*data)
 
 
 class Outbox(Protocol):
