@@ -20,6 +20,8 @@ The recipe, start to end:
    file, fetched once: tandem dequantizes it to ``--dtype``, llama.cpp computes on the
    Q4_1 weights as stored, and vLLM (which reads no GGUF file on a CPU) loads a
    safetensors copy of the same values in ``--dtype``, exported once into the cache.
+   ``--model smollm2-q8_0`` is that file requantized to Q8_0 by ``llama-quantize``
+   (``llamacpp_build.requantize``, made once): the Q4_1 values rounded into 8-bit blocks.
 3. Every engine of ``--engines`` gets its server on a free loopback port, all of them up
    at once (idle, both together take about 1 % of the machine's CPU time), each waited
    for on ``/health`` (at most ``--startup-timeout`` seconds; on failure the error shows
@@ -43,6 +45,7 @@ The recipe, start to end:
     python tools/bench_vllm_cpu.py --model 10m --concurrency 1 8 --engines vllm
     python tools/bench_vllm_cpu.py --model smollm2 \\
         --output-json benchmarks/results/cpu/vs-llamacpp-smollm2-q4_1-float32.json
+    python tools/bench_vllm_cpu.py --model smollm2-q8_0 --engines tandem llamacpp
 
 Server logs and the raw ``bench serve`` files go to ``build/bench-vllm-cpu/``.
 """
@@ -91,7 +94,10 @@ VLLM_OPTIONAL = ("torchvision", "torchaudio", "torchcodec")
 ENGINES = ("tandem", "vllm", "llamacpp")
 PEERS = ENGINES[1:]  # what tandem is compared with
 GGUF_MODEL = "smollm2"  # tandem's default model, a GGUF file
-MODELS = (*bench_checkpoint.SIZES, GGUF_MODEL)
+# The GGUF models: tandem's default file as fetched (None), or requantized to a type by
+# llama-quantize.
+GGUF_MODELS: dict[str, str | None] = {GGUF_MODEL: None, "smollm2-q8_0": "Q8_0"}
+MODELS = (*bench_checkpoint.SIZES, *GGUF_MODELS)
 # The engines that load each kind of model: vLLM a Hugging Face folder (the synthetic
 # checkpoints), llama.cpp a GGUF file. --engines defaults to these.
 MODEL_ENGINES = {"folder": ("tandem", "vllm"), "gguf": ("tandem", "llamacpp")}
@@ -184,23 +190,54 @@ class Checkpoint:
         return self.path
 
 
+def gguf_file(
+    model: str,
+    cache_dir: Path | None,
+    llama: llamacpp_build.LlamaCpp | None = None,
+    llama_dir: Path = llamacpp_build.DEFAULT_DIR,
+) -> Path:
+    """A GGUF model's file: tandem's default model, fetched once, or that file
+    requantized by ``llama``'s llama-quantize under ``llama_dir``, once."""
+    from tandem.scheduler.models.fetch import default_model_file
+
+    file = default_model_file(cache_dir)
+    dst_type = GGUF_MODELS[model]
+    if dst_type is None:
+        return file
+    if llama is None:
+        raise Failure(f"--model {model} is made with llama.cpp's llama-quantize: no build given")
+    return llamacpp_build.requantize(llama, file, dst_type, llama_dir)
+
+
 def checkpoint_for(
-    model: str, cache_dir: Path | None, dtype: str = "float32", safetensors: bool = False
+    model: str,
+    cache_dir: Path | None,
+    dtype: str = "float32",
+    safetensors: bool = False,
+    llama: llamacpp_build.LlamaCpp | None = None,
+    llama_dir: Path = llamacpp_build.DEFAULT_DIR,
 ) -> Checkpoint:
     """``--model``'s checkpoint, built or fetched into tandem's cache once; with
-    ``safetensors``, a GGUF model's safetensors copy in ``dtype`` too."""
-    if model == GGUF_MODEL:
+    ``safetensors``, a GGUF model's safetensors copy in ``dtype`` too. ``llama`` makes
+    a requantized GGUF model (``gguf_file``)."""
+    if model in GGUF_MODELS:
         import torch
 
-        from tandem.scheduler.models.fetch import default_model_file
         from tandem.scheduler.models.gguf_file import export_safetensors
         from tandem.scheduler.models.source import resolve_model
         from tandem.scheduler.models.tiny import cache_root
 
         root = cache_root(cache_dir)
-        file = default_model_file(cache_dir)
+        file = gguf_file(model, cache_dir, llama, llama_dir)
         folder = resolve_model(str(file), root=root)
         info = {"name": model, "checkpoint": file.name, **gguf_summary(file)}
+        dst_type = GGUF_MODELS[model]
+        if dst_type is not None and llama is not None:
+            src = gguf_file(GGUF_MODEL, cache_dir).name
+            info["requantized"] = {
+                "command": f"llama-quantize --allow-requantize {src} {file.name} {dst_type}",
+                "llamacpp": llama.source,
+            }
         config = json.loads((folder / "config.json").read_text())
         info.update({k: config[k] for k in bench_checkpoint.SIZES["10m"] if k in config})
         served = file.name.removesuffix(".gguf").replace(".", "-")
@@ -735,7 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MODELS,
         default="100m",
         help="a synthetic checkpoint (tandem and vLLM), or smollm2: tandem's default "
-        "model, a Q4_1 GGUF file (tandem and llama.cpp) (default: %(default)s)",
+        "model, a Q4_1 GGUF file (tandem and llama.cpp), or smollm2-q8_0: that file "
+        "requantized to Q8_0 by llama-quantize (default: %(default)s)",
     )
     parser.add_argument(
         "--dtype",
@@ -835,7 +873,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("argument --num-prompts: must be at least 1")
     if args.repeats < 1:
         parser.error("argument --repeats: must be at least 1")
-    kind = "gguf" if args.model == GGUF_MODEL else "folder"
+    kind = "gguf" if args.model in GGUF_MODELS else "folder"
     if args.engines is None:
         args.engines = list(MODEL_ENGINES[kind])
     if args.workload is None:
@@ -862,18 +900,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         versions.update(vllm_found)
     llama = None
-    if "llamacpp" in args.engines:
+    if "llamacpp" in args.engines or GGUF_MODELS.get(args.model):
         try:
             llama = llamacpp_build.resolve_build(args.llama_bin_dir, args.llama_dir)
-            llama.binary("llama-server")
+            if "llamacpp" in args.engines:
+                llama.binary("llama-server")
         except llamacpp_build.BuildError as exc:
             log(f"FAILED: {exc}")
             return 1
-        versions["llamacpp"] = llama.source
+        if "llamacpp" in args.engines:
+            versions["llamacpp"] = llama.source
     try:
         checkpoint = checkpoint_for(
-            args.model, args.cache_dir, args.dtype, "vllm" in args.engines and kind == "gguf"
-        )
+            args.model, args.cache_dir, args.dtype, "vllm" in args.engines and kind == "gguf",
+            llama, args.llama_dir,
+        )  # fmt: skip
     except (RuntimeError, ValueError, OSError) as exc:
         log(f"FAILED: the model {args.model}: {exc}")
         return 1
@@ -915,7 +956,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         for engine, (server, _) in servers.items()
     }
-    if llama is not None:
+    if llama is not None and "llamacpp" in engines:
         engines["llamacpp"]["build"] = llama.record()
 
     record = build_record(args, argv, versions, engines, figures, checkpoint.info)

@@ -23,6 +23,11 @@ git (``.venvs/llama-cpp/`` by default):
 
 Needs cmake (3.14 or later) and a C++17 compiler; a build takes tens of minutes on two
 cores. ``--llama-bin-dir`` of the benchmark tools takes an existing build instead.
+
+``requantize`` makes other GGUF files of tandem's default model with ``llama-quantize``
+(``--model smollm2-q8_0`` of the benchmark tools), kept under ``<dir>/models/``:
+
+    python tools/llamacpp_build.py --requantize Q8_0   # print the Q8_0 file's path
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ RECORDED_OPTIONS = (
     "BUILD_SHARED_LIBS",
 )
 MARKER = ".tandem-build.json"
+MODELS_DIR = "models"  # under the build folder: the files requantize() makes
 
 
 @dataclass(frozen=True)
@@ -326,6 +332,51 @@ def resolve_build(bin_dir: Path | None, folder: Path, *, jobs: int | None = None
     return ensure_llamacpp(folder if folder.is_absolute() else ROOT / folder, jobs=jobs)
 
 
+# -- requantized files ---------------------------------------------------------------------------
+def requantize_command(binary: Path, src: Path, dst: Path, dst_type: str) -> list[str]:
+    threads = str(len(os.sched_getaffinity(0)))
+    return [str(binary), "--allow-requantize", str(src), str(dst), dst_type, threads]
+
+
+def requantize(llama: LlamaCpp, src: Path, dst_type: str, folder: Path = DEFAULT_DIR) -> Path:
+    """``src`` requantized to ``dst_type`` (``Q8_0``, ...) by ``llama-quantize``, made once
+    under ``folder/models/`` (relative to the repository unless absolute) in a folder
+    named by ``src``'s sha256, so a new source never meets an old copy.
+
+    The benchmarks' Q8_0 file is requantized from tandem's Q4_1 file: its weights are
+    the Q4_1 values rounded into 8-bit blocks, not a Q8_0 quantization of the original
+    model. Every 2-D tensor of the result must be ``dst_type``, else a BuildError.
+    """
+    stem = src.name.removesuffix(".gguf").rpartition(".")[0] or src.stem
+    base = folder if folder.is_absolute() else ROOT / folder
+    dst = base / MODELS_DIR / f"{stem}-{_sha256(src)[:12]}" / f"{stem}.{dst_type}.gguf"
+    if dst.is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = dst.with_name(dst.name + ".part")
+    log_file = dst.with_name(dst.name + ".log")
+    log_file.unlink(missing_ok=True)
+    try:
+        _run(requantize_command(llama.binary("llama-quantize"), src, partial, dst_type), log_file)
+        wrong = _other_types(partial, dst_type)
+        if wrong:
+            raise BuildError(f"llama-quantize left {', '.join(wrong)} of {src.name} as other "
+                             f"than {dst_type}")  # fmt: skip
+        partial.replace(dst)
+    finally:
+        partial.unlink(missing_ok=True)
+    return dst
+
+
+def _other_types(file: Path, dst_type: str) -> list[str]:
+    """The 2-D tensors of a GGUF file not stored as ``dst_type``: ``name (TYPE)``."""
+    from gguf import GGUFReader  # tandem's environment has it; building llama.cpp does not
+
+    tensors = GGUFReader(file).tensors
+    return [f"{t.name} ({t.tensor_type.name})" for t in tensors
+            if len(t.shape) == 2 and t.tensor_type.name != dst_type]  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every tool that runs llama.cpp takes."""
     parser.add_argument(
@@ -350,11 +401,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="(default: %(default)s)")
     parser.add_argument("--index-url", default=INDEX_URL, help="(default: %(default)s)")
     parser.add_argument("--jobs", type=int, help="parallel compile jobs (default: the cores)")
+    parser.add_argument(
+        "--requantize",
+        metavar="TYPE",
+        help="print the path of tandem's default model requantized to TYPE (e.g. Q8_0), "
+        "made once, instead of the binaries' folder",
+    )
     args = parser.parse_args(argv)
     folder = args.dir if args.dir.is_absolute() else ROOT / args.dir
     try:
         built = ensure_llamacpp(folder, index_url=args.index_url, jobs=args.jobs)
-    except BuildError as exc:
+        if args.requantize:
+            from tandem.scheduler.models.fetch import default_model_file
+
+            print(requantize(built, default_model_file(), args.requantize, folder))
+            return 0
+    except RuntimeError as exc:  # a BuildError, or the model's FetchError
         log(f"FAILED: {exc}")
         return 1
     print(built.bin_dir)

@@ -14,7 +14,7 @@ tandem is scored twice on the same file and text:
   of the text (read from ``llama-server``'s ``/tokenize``) chunk by chunk with exactly
   those positions scored (its prompt logprobs from position N/2 + 1); so the two
   figures differ only by the engines' arithmetic (tandem dequantizes the weights to
-  ``--dtype``; llama.cpp multiplies the Q4_1 weights with activations quantized to 8
+  ``--dtype``; llama.cpp multiplies the quantized weights with activations quantized to 8
   bits, and keeps its KV cache in float16);
 - **``tandem bench perplexity``** with ``--window N --stride N --max-tokens K x N``: the
   same K chunks of its own tokens of the text, each scored from its second token on
@@ -26,6 +26,10 @@ json``), rendered by ``docs/hooks/bench_figures.py``.
     python tools/perplexity_vs_llamacpp.py \\
         --output-json benchmarks/results/cpu/perplexity-llamacpp-smollm2-q4_1.json
     python tools/perplexity_vs_llamacpp.py --context 1024 --chunks 4 --llama-bin-dir DIR
+    python tools/perplexity_vs_llamacpp.py --model smollm2-q8_0
+
+``--model`` picks the GGUF file as ``tools/bench_vllm_cpu.py`` does: tandem's default
+model (Q4_1), or that file requantized to Q8_0 by ``llama-quantize``.
 
 llama.cpp comes from ``tools/llamacpp_build.py`` (or ``--llama-bin-dir``). Logs go to
 ``build/bench-vllm-cpu/``.
@@ -214,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
+        "--model",
+        choices=tuple(bench.GGUF_MODELS),
+        default=bench.GGUF_MODEL,
+        help="the GGUF file, as in tools/bench_vllm_cpu.py (default: %(default)s)",
+    )
+    parser.add_argument(
         "--text-file", type=Path, default=DEFAULT_TEXT, help="(default: %(default)s)"
     )
     parser.add_argument(
@@ -253,7 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     try:
         llama = llamacpp_build.resolve_build(args.llama_bin_dir, args.llama_dir)
-        checkpoint = bench.checkpoint_for(bench.GGUF_MODEL, args.cache_dir)
+        checkpoint = bench.checkpoint_for(
+            args.model, args.cache_dir, llama=llama, llama_dir=args.llama_dir
+        )
         command = bench._recorded_command(argv, __file__)
         record = measure(args, command, llama, checkpoint, text_path, text)
     except (bench.Failure, llamacpp_build.BuildError, ValueError, OSError) as exc:

@@ -171,10 +171,12 @@ def write_gguf(
     tokenizer: bool = True,
     edit: Callable[[dict[str, np.ndarray]], None] | None = None,
     raw: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+    mix: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """``checkpoint`` as llama.cpp's converter writes it: metadata, q/k permuted, matrices
     stored as ``qtype`` (norms float32), llama3 rope as ``rope_freqs``. ``edit`` changes
-    the tensors before writing; ``raw`` adds tensors stored as given."""
+    the tensors before writing; ``raw`` adds tensors stored as given; ``mix`` stores
+    the matrices of a kind (``attn_v``) as another type, as llama.cpp's mixes do."""
     config = json.loads((checkpoint / "config.json").read_text())
     state = {k: v.numpy() for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -219,8 +221,9 @@ def write_gguf(
         if value.ndim == 1:
             w.add_tensor(name, value.astype(np.float32))
             continue
-        stored = _stored(value, qtype, seed=i)
-        w.add_tensor(name, stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
+        kind = (mix or {}).get(name.split(".")[-2], qtype)
+        stored = _stored(value, kind, seed=i)
+        w.add_tensor(name, stored, raw_dtype=kind if stored.dtype == np.uint8 else None)
     for name, (data, kind) in (raw or {}).items():
         w.add_tensor(name, data, raw_dtype=kind)
     w.write_header_to_file()

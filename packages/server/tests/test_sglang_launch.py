@@ -55,10 +55,11 @@ LINES = {
     ): {"disaggregation_mode": "prefill"},
     "--model-path meta-llama/Meta-Llama-3-8B-Instruct --trust-remote-code --enable-metrics": {},
     "--model-path meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype auto": {},
+    "--model-path unsloth/SmolLM2-135M-Instruct-GGUF --quantization gguf": {"quantization": "gguf"},
+    "--model-path meta-llama/Llama-3.2-1B-Instruct --quantization int8": {"quantization": "int8"},
 }
 
 REFUSED = {
-    "--model-path meta-llama/Meta-Llama-3.1-8B-Instruct --quantization fp8": "--quantization",
     "--model-path meta-llama/Meta-Llama-3-8B-Instruct --kv-cache-dtype fp8_e5m2": (
         "--kv-cache-dtype"
     ),
@@ -102,6 +103,18 @@ def test_options_tandem_lacks_are_refused_by_name(
     assert f"argument {REFUSED[line]}: SGLang's {REFUSED[line]}" in err
     assert "is not implemented by tandem" in err
     assert "unrecognized arguments" not in err
+
+
+def test_a_quantization_tandem_lacks_is_refused_naming_the_ones_it_has(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = "--model-path meta-llama/Meta-Llama-3.1-8B-Instruct --quantization fp8"
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", *shlex.split(line)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --quantization: invalid choice: 'fp8'" in err
+    assert "'gguf', 'int8', 'none'" in err
 
 
 def test_every_foreign_option_is_in_the_serving_guide() -> None:

@@ -19,6 +19,7 @@ from tandem.futuremap.env import CompileChecks, TandemEnv, read_env
 
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("gguf", "int8", "none")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 COMPILE_CHECKS: tuple[str, ...] = typing.get_args(CompileChecks)
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -52,6 +53,13 @@ class EngineConfig:
         load_format: ``auto``/``safetensors`` read the checkpoint; ``auto``/``gguf`` the
             GGUF file of a GGUF file's folder; ``dummy`` builds seeded random weights
             from the config alone.
+        quantization: how the weights are held on the CPU (SGLang's and vLLM's
+            option). ``gguf``: a GGUF file's quantized weights stay in their blocks
+            (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; other types are dequantized with a
+            warning), multiplied by tandem's kernels; ``int8``: weight-only int8, one
+            scale per output channel, made at load from float weights (any
+            checkpoint); ``none``: every weight dequantized to ``dtype``. Default: ``gguf``
+            for a GGUF file on one CPU rank, else ``none``.
         random_seed: seed of dummy weights and of sampling for requests without a seed.
         context_length: longest sequence (prompt + output); default: the model's
             ``max_position_embeddings``.
@@ -167,6 +175,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None
     load_format: str = "auto"
+    quantization: str | None = None
     random_seed: int = 0
     context_length: int | None = None
     page_size: int = 1
@@ -235,6 +244,10 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format={self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
             )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(

@@ -29,6 +29,7 @@ from tandem.server.server_config import ServerConfig, default_api_key
 _CHOICES = {
     "dtype": engine_config.DTYPES,
     "load_format": engine_config.LOAD_FORMATS,
+    "quantization": engine_config.QUANTIZATIONS,
     "schedule_policy": engine_config.SCHEDULE_POLICIES,
     "compile_checks": engine_config.COMPILE_CHECKS,
     "disaggregation_mode": engine_config.DISAGGREGATION_MODES,

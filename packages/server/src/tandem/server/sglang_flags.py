@@ -66,7 +66,6 @@ FOREIGN: tuple[Foreign, ...] = (
     Foreign("--stream-interval", "tandem streams every token", "N", ("1",)),
     Foreign("--sampling-backend", "tandem samples with torch", "BACKEND", ("pytorch",)),
     # Refused: not implemented.
-    Foreign("--quantization", "weights load in --dtype; GGUF files are dequantized", "METHOD"),
     Foreign("--lora-paths", "LoRA adapters are not implemented", "PATH"),
     Foreign("--is-embedding", "embedding models are not served", None),
     Foreign("--enable-multimodal", "tandem serves text models only", None),

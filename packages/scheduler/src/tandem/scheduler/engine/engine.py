@@ -262,6 +262,8 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "architecture": self.model_config.architecture,
+            "quantization": self._parts.quantization,
+            "weights_bytes": self._parts.weights_bytes,
             "context_length": self.context_length,
             "attention_backend": self.attention_backend,
             "overlap_schedule": s.overlap,

@@ -32,9 +32,15 @@ from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.engine.cpu_malloc import keep_freed_memory
 from tandem.scheduler.kernels.cpu_build import load_cpu_kernels
 from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
-from tandem.scheduler.models import CausalLM, ModelConfig, load_model, resolve_dtype
+from tandem.scheduler.models import (
+    CausalLM,
+    ModelConfig,
+    is_gguf_folder,
+    load_model,
+    resolve_dtype,
+)
 from tandem.scheduler.models.source import resolve_model, resolve_tokenizer
-from tandem.scheduler.models.tensor_parallel import SINGLE
+from tandem.scheduler.models.tensor_parallel import SINGLE, TensorParallel
 from tandem.scheduler.models.tiny import cache_root
 from tandem.scheduler.parallel.distributed import RankGroup, StepRelay, per_node, rank_device
 from tandem.scheduler.runner.cpu_step import ForwardThreads
@@ -80,6 +86,10 @@ class EngineParts:
     graphs: DecodeGraphRunner | None
     timeline: Timeline
     scheduler: Scheduler
+    quantization: str
+    """How the weights are held (``EngineConfig.quantization`` resolved)."""
+    weights_bytes: int
+    """Memory the model's weights take, every copy the forward reads counted once."""
 
 
 def wire(cfg: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
@@ -158,6 +168,9 @@ def _wire(
     eos_ids = _eos_ids(model_path, mc, tokenizer)
 
     debug = cfg.debug_futures
+    quantization = _quantization(cfg, model_path, device, tp)
+    if quantization != "none":
+        load_cpu_kernels(cache_root() / "kernels")  # quantized weights need linear_quant
     model = load_model(
         None if cfg.load_format == "dummy" else model_path,
         mc,
@@ -167,6 +180,7 @@ def _wire(
         seed=cfg.random_seed,
         tp=tp,
         forward_threads=None if forward_threads is None else forward_threads.for_tokens(1),
+        quantization=quantization,
     )
     layout = KVLayout(local.num_hidden_layers, local.num_key_value_heads, local.head_dim, dtype)
     pages = _num_pages(cfg, layout, device, context_length)
@@ -242,6 +256,8 @@ def _wire(
         graphs=graphs,
         timeline=runner.timeline,
         scheduler=scheduler,
+        quantization=quantization,
+        weights_bytes=model.weights_bytes(),
     )
 
 
@@ -315,6 +331,17 @@ def _forward_stream(cfg: EngineConfig, device: torch.device) -> Stream:
         max_delay_s=cfg.host_stream_max_delay_ms / 1000.0,
         seed=cfg.host_stream_seed,
     )
+
+
+def _quantization(
+    cfg: EngineConfig, model_path: Path | str, device: torch.device, tp: TensorParallel
+) -> str:
+    """``cfg.quantization``, or by default ``gguf`` for a GGUF file served on one CPU
+    rank (its blocks stay quantized), else ``none``."""
+    if cfg.quantization is not None:
+        return cfg.quantization
+    gguf = cfg.load_format in ("auto", "gguf") and is_gguf_folder(Path(model_path))
+    return "gguf" if gguf and device.type == "cpu" and tp.size == 1 else "none"
 
 
 def _cpu_kernels(

@@ -1,13 +1,12 @@
 """tandem's CPU kernels: its own C++ ops, built on a machine's first CPU start.
 
-Three sources make one library: ``cpu_decode.cpp`` (decode attention,
-``torch.ops.tandem.decode_attention``), ``cpu_fused.cpp`` (the fused element-wise
-ops ``rms_norm``, ``silu_mul`` and ``rotary``) and ``cpu_linear.cpp`` (the product
-over weights laid out in panels, ``linear_panels``). The first CPU engine on a machine
-compiles them against the running torch into ``<cache>/kernels/``; later starts load that
-build, and builds unused for ``UNUSED_FOR_S`` are removed. Without a compiler, or when the
-build fails, the torch formulas stay, with a warning. See
-docs/guides/adding-an-attention-backend.md, "The two backends"."""
+Four sources make one library: ``cpu_decode.cpp`` (``decode_attention``),
+``cpu_fused.cpp`` (the fused ``rms_norm``, ``silu_mul`` and ``rotary``),
+``cpu_linear.cpp`` (the product over weights in panels, ``linear_panels``) and
+``cpu_quant.cpp`` (the same over quantized weights, ``linear_quant``). The first CPU
+engine on a machine compiles them against the running torch into ``<cache>/kernels/``;
+later starts load that build, and builds unused for ``UNUSED_FOR_S`` are removed. Without
+a compiler, or when the build fails, the torch formulas stay, with a warning."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ SOURCES = (
     Path(__file__).with_name("cpu_decode.cpp"),
     Path(__file__).with_name("cpu_fused.cpp"),
     Path(__file__).with_name("cpu_linear.cpp"),
+    Path(__file__).with_name("cpu_quant.cpp"),
 )
 HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by every source
 COMPILERS = ("c++", "g++", "clang++")
@@ -143,7 +143,16 @@ def _flags() -> list[str]:
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
             if _has_avx512_bf16():
                 flags.append("-mavx512bf16")
+            if _has_avx512_vnni():
+                flags.append("-mavx512vnni")
     return flags
+
+
+def _has_avx512_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (Cascade Lake, Ice Lake, Zen 4 and later), as
+    torch's own CPU detection reports it."""
+    supported = getattr(torch.cpu, "_is_vnni_supported", None)  # AVX512-VNNI only
+    return bool(supported is not None and supported())
 
 
 def _has_avx512_bf16() -> bool:
@@ -168,6 +177,14 @@ def bf16_panels() -> bool:
     product, or, in an AVX2 build (no AVX-512), with float32 arithmetic over the
     widened pairs. An AVX-512 CPU without BF16 has oneDNN's bfloat16 product instead."""
     return "-mavx512bf16" in _flags() or panel_halves()
+
+
+@functools.cache
+def int8_products() -> bool:
+    """Whether the kernels built on this machine multiply quantized weights with
+    AVX512-VNNI's int8 dot products over activations quantized to 8 bits (their own code
+    layout, ``quant_panels``), rather than widening the codes to float32."""
+    return "-mavx512vnni" in _flags()
 
 
 @functools.cache

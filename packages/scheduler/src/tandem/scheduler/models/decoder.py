@@ -32,6 +32,7 @@ from tandem.scheduler.models.packing import (
     with_onednn,
     with_panels,
 )
+from tandem.scheduler.models.quantized import QuantizedEmbedding, QuantizedLinear, pack_quantized
 from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 from tandem.scheduler.models.tensor_parallel import (
     SINGLE,
@@ -108,7 +109,12 @@ class Attention(nn.Module):
         self.fused = False  # rotate with torch.ops.tandem.rotary (use_fused_cpu_ops)
 
     def pack(self, column_major: bool, onednn: bool, forward_threads: int) -> None:
-        """Fuse q/k/v into one projection (see ``models.packing``)."""
+        """Fuse q/k/v into one projection (see ``models.packing``; quantized weights:
+        ``models.quantized``)."""
+        self.qkv = pack_quantized((self.q_proj, self.k_proj, self.v_proj))
+        self.o = pack_quantized((self.o_proj,))
+        if self.qkv is not None and self.o is not None:
+            return
         self.qkv = pack_linears((self.q_proj, self.k_proj, self.v_proj), column_major)
         self.o = pack_linears((self.o_proj,), column_major)
         if onednn:
@@ -162,7 +168,12 @@ class MLP(nn.Module):
         self.fused = False  # torch.ops.tandem.silu_mul (set by CausalLM.use_fused_cpu_ops)
 
     def pack(self, column_major: bool, onednn: bool, forward_threads: int) -> None:
-        """Fuse gate and up into one projection (see ``models.packing``)."""
+        """Fuse gate and up into one projection (see ``models.packing``; quantized
+        weights: ``models.quantized``)."""
+        self.gate_up = pack_quantized((self.gate_proj, self.up_proj))
+        self.down = pack_quantized((self.down_proj,))
+        if self.gate_up is not None and self.down is not None:
+            return
         self.gate_up = pack_linears((self.gate_proj, self.up_proj), column_major)
         self.down = pack_linears((self.down_proj,), column_major)
         if onednn:
@@ -305,7 +316,7 @@ class CausalLM(nn.Module):
         Called again after materializing a meta-built model, since replacing parameters
         one module at a time (``to_empty``) can leave the two names pointing apart.
         """
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not isinstance(self.lm_head, QuantizedLinear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def use_fused_cpu_ops(self) -> None:
@@ -339,13 +350,14 @@ class CausalLM(nn.Module):
         which pick the product for one float32 token (``packing.dense_up_to``). Call
         after loading and placing the model (see ``models.packing``); the forward is
         the same function of the weights either way."""
-        cpu = self.lm_head.weight.device.type == "cpu"
+        weight = self.model.norm.weight  # the model's device and dtype (a head may be quantized)
+        cpu = weight.device.type == "cpu"
         threads = forward_threads or torch.get_num_threads()
         if column_major is None:
             column_major = cpu
         if onednn is None:
             onednn = column_major and self.config.hidden_size >= ONEDNN_MIN_HIDDEN
-        dtype = self.lm_head.weight.dtype
+        dtype = weight.dtype
         # Without oneDNN, tandem's product multiplies bfloat16 on AVX2 (with the fused ops).
         panels = dtype == torch.bfloat16 and cpu_build.bf16_panels()
         low = dtype in (torch.bfloat16, torch.float16)
@@ -361,6 +373,11 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.pack(column_major, onednn, threads)
             layer.mlp.pack(column_major, onednn, threads)
+        if isinstance(self.lm_head, QuantizedLinear):
+            rows = self.lm_head.out_features
+            stand_in = torch.empty(0, self.lm_head.in_features)
+            self.head = PackedLinear(stand_in, None, (rows,), quant=(self.lm_head.panels_once(),))
+            return
         if column_major and not self.config.tie_word_embeddings:
             make_column_major(self.lm_head)  # a tied head keeps the embedding's rows
         if onednn:
@@ -370,13 +387,36 @@ class CausalLM(nn.Module):
             self.head = with_onednn(PackedLinear(self.lm_head.weight, None, (rows,)), threads)
 
     def packed_weights(self) -> tuple[torch.Tensor, ...]:
-        """Every weight copy the layers' forward reads: oneDNN's layout or panels
-        (empty unless packed so)."""
+        """Every weight copy the forward to the final norm reads: oneDNN's layout,
+        panels or quantized panels (with a quantized embedding's), empty unless packed
+        so."""
         packed: list[PackedLinear | None] = []
         for layer in self.model.layers:
             packed += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
-        copies = (w for p in packed if p is not None for w in (p.onednn, p.panels))
+        copies = [w for p in packed if p is not None for w in (p.onednn, p.panels)]
+        quant = [q for p in packed if p is not None for q in p.quant]
+        embedding = self.model.embed_tokens
+        if isinstance(embedding, QuantizedEmbedding):
+            quant.append(embedding.head.panels_once())
+        copies += [t for q in quant for t in (q.codes, q.scales, q.offsets)]
         return tuple(w for w in copies if w is not None)
+
+    def weights_bytes(self) -> int:
+        """Bytes of the weights held: parameters, the layers' copies (oneDNN's layout,
+        panels, quantized panels) and the head's, each storage counted once."""
+        tensors = [*self.parameters(), *self.packed_weights()]
+        if self.head is not None:
+            tensors += [self.head.onednn, self.head.panels]
+            tensors += [t for q in self.head.quant for t in (q.codes, q.scales, q.offsets)]
+        held: dict[int, int] = {}
+        for t in tensors:
+            if t is None or t.device.type == "meta":
+                continue
+            if t.is_mkldnn:  # oneDNN's layout has no storage to share: counted by its size
+                held[id(t)] = t.numel() * t.element_size()
+            else:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(held.values())
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

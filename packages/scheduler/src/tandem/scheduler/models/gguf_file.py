@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -27,10 +28,14 @@ from gguf.quants import dequantize
 from tandem.scheduler.models.decoder import CausalLM
 from tandem.scheduler.models.gguf_tokenizer import write_gguf_tokenizer
 from tandem.scheduler.models.model_config import ModelConfig
+from tandem.scheduler.models.quant_rows import KERNEL_TYPES, RowQuant, decode_gguf
+from tandem.scheduler.models.quantized import QuantizedLinear
 from tandem.scheduler.models.rope import compute_inv_freq
 from tandem.scheduler.models.tensor_parallel import TensorParallel
 from tandem.scheduler.models.tiny import build_once, write_json
 from tandem.scheduler.models.weights import GGUF_JSON, Shape, copy_shard
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURE = "llama"
 _MAGIC = b"GGUF"
@@ -64,6 +69,14 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?")
 # The rows of these are stored in llama.cpp's rotary layout (see ``unpermute_heads``).
 _PERMUTED = ("attn_q", "attn_k")
+# Weights multiplied as one product (``CausalLM.pack``): kept quantized together or not.
+_PRODUCTS = (
+    ("attn_q", "attn_k", "attn_v"),
+    ("attn_output",),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_down",),
+)
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
 @dataclass(frozen=True)
@@ -494,17 +507,72 @@ def gguf_shapes(source: GGUFSource) -> dict[str, Shape]:
     return shapes
 
 
+def kept_quantized(source: GGUFSource, config: ModelConfig) -> set[str]:
+    """The model's names of the weights that stay in their blocks: each product's
+    (q/k/v, o, gate/up, down; the embedding; the head) whose tensors all have a kernel
+    (``quant_rows.KERNEL_TYPES``). A quantized type without one is dequantized, with a
+    warning naming the tensors; float tensors (F32, F16, BF16) are dequantized as ever."""
+    tensors = source.tensors
+    groups = [("token_embd",), ("output",)]
+    groups += [
+        tuple(f"blk.{i}.{part}" for part in parts)
+        for i in range(config.num_hidden_layers)
+        for parts in _PRODUCTS
+    ]
+    kept: set[str] = set()
+    slow: dict[str, list[str]] = {}
+    for group in groups:
+        members = [tensors.get(f"{stem}.weight") for stem in group]
+        if any(t is None for t in members):
+            continue  # a tied head (no output.weight); check_checkpoint refused the rest
+        types = [t.qtype.name for t in members if t is not None]
+        for t in members:
+            if t is not None and t.qtype.name not in KERNEL_TYPES | _FLOAT_TYPES:
+                slow.setdefault(t.qtype.name, []).append(t.name)
+        if all(kind in KERNEL_TYPES for kind in types):
+            kept.update(hf_name(t.name) or t.name for t in members if t is not None)
+    for kind, names in slow.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        log.warning(
+            "%s: %s tensors (%s%s) have no tandem kernel: dequantized to the model's dtype "
+            "at load, as are the products they share",
+            source.file.name, kind, ", ".join(names[:3]), more,
+        )  # fmt: skip
+    return kept
+
+
 @torch.no_grad()
-def copy_gguf_weights(model: CausalLM, source: GGUFSource, config: ModelConfig) -> None:
+def copy_gguf_weights(
+    model: CausalLM,
+    source: GGUFSource,
+    config: ModelConfig,
+    quantized: Mapping[str, QuantizedLinear] | None = None,
+) -> None:
     """Dequantize each GGUF tensor the model expects straight into its parameter, in the
     parameter's dtype, one tensor (and at most ``CHUNK_VALUES`` float32 values) at a
-    time: never the model in float32 beside it."""
+    time: never the model in float32 beside it. The weights in ``quantized`` (by the
+    model's names) are decoded into their layer's row form instead."""
     params = dict(model.named_parameters())
     data = source.open()
     for gguf_name, tensor in source.tensors.items():
         name = hf_name(gguf_name)
-        if name in params:
+        if quantized is not None and name in quantized:
+            quantized[name].load(decode_tensor(data, tensor, config))
+        elif name in params:
             _copy_tensor(params[name], data, tensor, name, model.tp, config)
+
+
+def decode_tensor(data: np.ndarray, tensor: GGUFTensor, config: ModelConfig) -> RowQuant:
+    """A 2-D GGUF tensor in row form (``quant_rows.decode_gguf``), q/k's rows in Hugging
+    Face's order; a block layout that does not fit its type is refused naming it."""
+    rows, cols = tensor.shape
+    raw = data[tensor.offset : tensor.offset + tensor.nbytes].view(np.ndarray)
+    quant = decode_gguf(raw, tensor.qtype, rows, cols, tensor.name)
+    if not is_permuted(tensor.name):
+        return quant
+    order = torch.from_numpy(unpermute_heads(np.arange(rows), config.head_dim))
+    offsets = None if quant.offsets is None else quant.offsets[order]
+    return RowQuant(quant.codes[order], quant.scales[order], offsets, quant.block, quant.qtype)
 
 
 def _copy_tensor(

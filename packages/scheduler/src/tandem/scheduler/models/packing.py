@@ -15,12 +15,16 @@ import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.scheduler.kernels import cpu_build
+
+if TYPE_CHECKING:
+    from tandem.scheduler.models.quant_panels import QuantPanels
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,18 @@ class PackedLinear:
     # least ``ONEDNN_MIN_HIDDEN`` wide, ``with_onednn``): oneDNN's, where oneDNN takes
     # the dtype, and panels in its place where tandem's product does.
     blocked: bool = False
+    # The weight kept quantized (``models.quantized.pack_quantized``): one panel set per
+    # run of layers with one code layout, in order; ``weight`` is then an empty stand-in.
+    quant: tuple[QuantPanels, ...] = ()
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each layer's output, as views of one ``[..., sum(sizes)]`` result."""
-        if self.panels is not None:
+        if len(self.quant) == 1:
+            y = self.quant[0](x, self.bias)
+        elif self.quant:
+            y = torch.cat([part(x) for part in self.quant], dim=-1)
+            y = y if self.bias is None else y + self.bias
+        elif self.panels is not None:
             y = torch.ops.tandem.linear_panels(x, self.panels, self.bias, sum(self.sizes))
         elif self.onednn is None:
             y = F.linear(x, self.weight, self.bias)
@@ -60,6 +72,8 @@ class PackedLinear:
         projection (measurements: docs/benchmarks.md, Measurements behind the code)."""
         if len(self.sizes) != 1:
             raise ValueError(f"plus takes a single layer, not {len(self.sizes)} stacked")
+        if self.quant and residual.dtype == x.dtype and residual.is_contiguous():
+            return self.quant[0](x, self.bias, residual)
         if self.panels is not None and residual.dtype == x.dtype and residual.is_contiguous():
             y: torch.Tensor = torch.ops.tandem.linear_panels(
                 x, self.panels, self.bias, self.sizes[0], residual

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -20,9 +21,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tandem.scheduler.config import QUANTIZATIONS
 from tandem.scheduler.models.decoder import CausalLM, RMSNorm
 from tandem.scheduler.models.model_config import ModelConfig
+from tandem.scheduler.models.quantized import (
+    QuantizedLinear,
+    quant_kernel,
+    quantize_layers_int8,
+    replace_with_quantized,
+)
 from tandem.scheduler.models.tensor_parallel import SINGLE, TensorParallel
+
+log = logging.getLogger(__name__)
 
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
 DUMMY_STD = 0.02
@@ -70,6 +80,7 @@ def load_model(
     seed: int = 0,
     tp: TensorParallel = SINGLE,
     forward_threads: int | None = None,
+    quantization: str = "none",
 ) -> CausalLM:
     """A ``CausalLM`` on ``device`` in ``dtype``, in eval mode, without gradients.
 
@@ -81,15 +92,27 @@ def load_model(
     ``tp``: build this rank's shard, reading only its slice of each tensor (dummy
     weights are the same values as one rank's, sliced).
     ``forward_threads``: the CPU forward's intra-op threads (see ``CausalLM.pack``).
+    ``quantization``: ``none`` (every weight in ``dtype``), ``gguf`` (a GGUF file's
+    blocks kept, see ``keeps_blocks``) or ``int8`` (``quantized.quantize_layers_int8``).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}"
+        )
     device = torch.device(device)
+    if quantization == "int8":
+        _check_int8(device, tp)
     model = _build_on_meta(config, dtype, tp)
     whole = expected_shapes(_build_on_meta(config, dtype) if tp.size > 1 else model)
+    if quantization == "gguf" and load_format in ("dummy", "safetensors"):
+        raise ValueError(f"quantization 'gguf' needs a GGUF file, not load_format {load_format!r}")
     if load_format == "dummy":
         model = _materialize(model, device)
         _fill_dummy(model, seed, whole, config)
+        if quantization == "int8":
+            quantize_layers_int8(model)
         return _for_inference(model, forward_threads)
     if model_path is None:
         raise ValueError(f"load_format {load_format!r} needs a model_path")
@@ -105,15 +128,53 @@ def load_model(
         source = gguf_file.GGUFSource.read(path)
         gguf_file.check_dequantizable(source.tensors.values(), source.file)
         check_checkpoint(whole, gguf_file.gguf_shapes(source), config, where=str(source.file))
+        keep = set()
+        if keeps_blocks(quantization, device, tp):
+            keep = gguf_file.kept_quantized(source, config)
+        tied = config.tie_word_embeddings
+        quantized = replace_with_quantized(model, keep, dtype, tied)
         model = _materialize(model, device)
-        gguf_file.copy_gguf_weights(model, source, config)
+        gguf_file.copy_gguf_weights(model, source, config, quantized)
+        if quantization == "int8":
+            quantize_layers_int8(model)
         return _for_inference(model, forward_threads)
+    if quantization == "gguf":
+        raise ValueError(f"quantization 'gguf' needs a GGUF file; {path} is not one's folder")
     files = checkpoint_files(path)
     found = _tensor_shapes(files)
     check_checkpoint(whole, found, config, where=str(model_path))
     model = _materialize(model, device)
     _copy_checkpoint(model, files, config)
+    if quantization == "int8":
+        quantize_layers_int8(model)
     return _for_inference(model, forward_threads)
+
+
+def keeps_blocks(quantization: str, device: torch.device, tp: TensorParallel) -> bool:
+    """Whether a GGUF file's quantized weights stay in their blocks: with ``gguf``, on
+    one CPU rank whose kernels have ``linear_quant``; otherwise they are dequantized to
+    the dtype, with a warning saying why."""
+    if quantization != "gguf":
+        return False
+    why = None
+    if device.type != "cpu":
+        why = f"on {device.type} GGUF weights are dequantized at load"
+    elif tp.size > 1:
+        why = "under tensor parallelism GGUF weights are dequantized at load"
+    elif not quant_kernel():
+        why = "tandem's CPU kernels are not loaded, so GGUF weights are dequantized at load"
+    if why is not None:
+        log.warning("--quantization gguf: %s", why)
+    return why is None
+
+
+def _check_int8(device: torch.device, tp: TensorParallel) -> None:
+    """Weight-only int8 runs on tandem's CPU kernel, on one rank."""
+    if device.type != "cpu" or tp.size > 1 or not quant_kernel():
+        raise ValueError(
+            "quantization 'int8' runs on the CPU, on one rank, with tandem's CPU kernels "
+            "(a compiler and a CPU with AVX2 and FMA or AVX-512)"
+        )
 
 
 def is_gguf_folder(folder: Path) -> bool:
@@ -216,7 +277,7 @@ def _materialize(model: CausalLM, device: torch.device) -> CausalLM:
     A tied head is detached first and re-tied after: ``to_empty`` would otherwise allocate
     it a second, vocabulary-sized buffer only to drop it.
     """
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and not isinstance(model.lm_head, QuantizedLinear):
         model.lm_head.weight = None  # type: ignore[assignment]
     model.to_empty(device=device)
     model.tie_weights()

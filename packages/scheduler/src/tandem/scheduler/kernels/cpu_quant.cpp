@@ -1,0 +1,551 @@
+// tandem's product by a quantized weight: y = x @ weight^T (+ bias) (+ residual), x and
+// y float32, the weight kept in small integer codes with a float32 scale (and offset)
+// per block of inputs of each output column. Registered as torch.ops.tandem.linear_quant
+// on CPUs with AVX-512, or AVX2 and FMA; models/quant_panels.py lays the weights out.
+//
+// Two kinds of code cover the GGUF types tandem keeps quantized (models/quant_rows.py):
+//   u4: 4-bit codes q in 0..15, w = scale * q + offset (Q4_0, Q4_1, Q4_K);
+//   i8: 8-bit signed codes, w = scale * q (Q8_0, Q6_K, weight-only int8).
+// The codes lie in panels of 48 output columns, as linear_panels' float32 panels do:
+// panel p holds columns 48p..48p+47 (zero past N), row after row of the 48 columns'
+// codes side by side, so that one product reads each panel once, in address order
+// (quant_panels.Layout: for the float path each row is one input, two for 4-bit codes,
+// a byte's nibbles; the int8 path's rows below). Scales, offsets: [P, K / block, 48].
+//
+// With AVX512-VNNI the codes multiply x with int8 dot products (the int8 path below).
+// Otherwise a few rows of x (a decode step) multiply in registers: the codes widen to
+// float32 and feed FMAs into per-block partial sums, which are scaled (and the offset
+// times the block's sum of x added) once a block; more rows (a prefill, a large batch)
+// dequantize one panel at a time into a float32 buffer of the thread's, which the rows
+// then multiply by, the dequantization's cost shared by up to 64 rows. This path
+// computes what dequantize-then-multiply computes, up to the float32 sums' order. Either
+// way a token reads 4.5 to 9 bits a weight and no float copy of it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_math.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kPanel = 48;      // output columns per panel
+constexpr int64_t kChunkRows = 64;  // most rows of x per work item, with one panel
+
+#if defined(__AVX512F__)
+// Sixteen float32 lanes; a pass covers a whole panel row (3 vectors).
+struct Vec {
+  using F = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kSmallRows = 4;  // a register tile: 4 x 3 sums and 4 x 3 partials
+  static constexpr int kBigRows = 8;    // a buffered tile: 8 x 3 sums
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static __mmask16 mask(int64_t valid) {
+    return valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (valid > 0 ? valid : 0)) - 1);
+  }
+  static F load_part(const float* p, int64_t valid) {
+    return _mm512_maskz_loadu_ps(mask(valid), p);
+  }
+  static void store_part(float* p, F v, int64_t valid) { _mm512_mask_storeu_ps(p, mask(valid), v); }
+  // The 16 columns' codes for inputs 2j (lo) and 2j + 1 (hi), from their 16 bytes.
+  static void nibbles(const uint8_t* p, F& lo, F& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+  static F bytes(const int8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+#else
+// Eight float32 lanes and sixteen registers: a pass covers half a panel row (3 vectors
+// of 8), so a tile makes two passes over its panel, the second from the cache.
+struct Vec {
+  using F = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kSmallRows = 2;
+  static constexpr int kBigRows = 4;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static __m256i mask(int64_t valid) {
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), index);
+  }
+  static F load_part(const float* p, int64_t valid) { return _mm256_maskload_ps(p, mask(valid)); }
+  static void store_part(float* p, F v, int64_t valid) { _mm256_maskstore_ps(p, mask(valid), v); }
+  static void nibbles(const uint8_t* p, F& lo, F& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  static F bytes(const int8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+#endif
+
+constexpr int kV = 3;                             // vectors of a pass
+constexpr int64_t kPass = kV * Vec::kLanes;       // columns of a pass
+constexpr int64_t kPasses = kPanel / kPass;       // 1 with AVX-512, 2 with AVX2
+using F = Vec::F;
+
+// One panel's weight, from its first column `c0` (a pass's): the codes (u4: k-pair
+// rows, i8: k rows, 48 a row), the scales and offsets (null for i8), 48 a block.
+template <typename Code>
+struct Part {
+  const Code* codes;
+  const float* scales;
+  const float* offsets;
+  int64_t block;
+};
+
+// The residual and bias of a tile's rows, and where its sums go.
+struct Out {
+  const float* bias;  // [cols] or null
+  const float* res;   // row-strided like y, or null
+  float* y;
+  int64_t ldy;
+  int64_t cols;       // valid columns of the pass, 1 to kPass
+};
+
+template <int MR>
+inline void store(F (&acc)[MR][kV], const Out& out) {
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < kV; ++v) {
+      const int64_t valid = out.cols - v * Vec::kLanes;
+      if (valid <= 0) break;
+      F sum = acc[m][v];
+      if (out.res != nullptr) {
+        sum = Vec::add(sum, Vec::load_part(out.res + m * out.ldy + v * Vec::kLanes, valid));
+      }
+      Vec::store_part(out.y + m * out.ldy + v * Vec::kLanes, sum, valid);
+    }
+  }
+}
+
+template <int MR>
+inline void start(F (&acc)[MR][kV], const Out& out) {
+  for (int v = 0; v < kV; ++v) {
+    const F b = out.bias != nullptr
+                    ? Vec::load_part(out.bias + v * Vec::kLanes, out.cols - v * Vec::kLanes)
+                    : Vec::zero();
+    for (int m = 0; m < MR; ++m) acc[m][v] = b;
+  }
+}
+
+// MR rows of x (rows ldx apart; xsum: their sums per block, K / block a row, u4 only)
+// by one pass of a panel, the codes widened in registers.
+template <int MR, typename Code>
+inline void register_tile(const float* x, int64_t ldx, const float* xsum, int64_t K,
+                          const Part<Code>& w, const Out& out) {
+  constexpr bool u4 = std::is_same_v<Code, uint8_t>;
+  F acc[MR][kV];
+  start<MR>(acc, out);
+  const int64_t blocks = K / w.block;
+  for (int64_t b = 0; b < blocks; ++b) {
+    F part[MR][kV];
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < kV; ++v) part[m][v] = Vec::zero();
+    }
+    const int64_t k0 = b * w.block;
+    if constexpr (u4) {
+      for (int64_t k = k0; k < k0 + w.block; k += 2) {
+        const uint8_t* row = w.codes + (k / 2) * kPanel;
+        for (int v = 0; v < kV; ++v) {
+          F lo, hi;
+          Vec::nibbles(row + v * Vec::kLanes, lo, hi);
+          for (int m = 0; m < MR; ++m) {
+            part[m][v] = Vec::fma(Vec::set1(x[m * ldx + k]), lo, part[m][v]);
+            part[m][v] = Vec::fma(Vec::set1(x[m * ldx + k + 1]), hi, part[m][v]);
+          }
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + w.block; ++k) {
+        const int8_t* row = w.codes + k * kPanel;
+        for (int v = 0; v < kV; ++v) {
+          const F q = Vec::bytes(row + v * Vec::kLanes);
+          for (int m = 0; m < MR; ++m) {
+            part[m][v] = Vec::fma(Vec::set1(x[m * ldx + k]), q, part[m][v]);
+          }
+        }
+      }
+    }
+    for (int v = 0; v < kV; ++v) {
+      const F scale = Vec::load(w.scales + b * kPanel + v * Vec::kLanes);
+      for (int m = 0; m < MR; ++m) acc[m][v] = Vec::fma(scale, part[m][v], acc[m][v]);
+      if constexpr (u4) {
+        const F offset = Vec::load(w.offsets + b * kPanel + v * Vec::kLanes);
+        for (int m = 0; m < MR; ++m) {
+          acc[m][v] = Vec::fma(offset, Vec::set1(xsum[m * blocks + b]), acc[m][v]);
+        }
+      }
+    }
+  }
+  store<MR>(acc, out);
+}
+
+// MR rows of x by one pass of a dequantized panel (float32, [K, 48]).
+template <int MR>
+inline void float_tile(const float* x, int64_t ldx, int64_t K, const float* panel,
+                       const Out& out) {
+  F acc[MR][kV];
+  start<MR>(acc, out);
+  for (int64_t k = 0; k < K; ++k) {
+    F w[kV];
+    for (int v = 0; v < kV; ++v) w[v] = Vec::load(panel + k * kPanel + v * Vec::kLanes);
+    for (int m = 0; m < MR; ++m) {
+      const F xk = Vec::set1(x[m * ldx + k]);
+      for (int v = 0; v < kV; ++v) acc[m][v] = Vec::fma(xk, w[v], acc[m][v]);
+    }
+  }
+  store<MR>(acc, out);
+}
+
+// Rows [0, M) by one pass in tiles of up to R rows (the rest in one smaller tile):
+// tile(rows, first row) runs a tile of a compile-time row count.
+template <int R, typename Tile>
+inline void in_tiles(int64_t M, Tile tile) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) tile(std::integral_constant<int, R>{}, m);
+  if constexpr (R > 1) {
+    if (M - m > 0) {
+      // Remainders dispatch to the next smaller tile, down to one row.
+      in_tiles<R - 1>(M - m, [&](auto rows, int64_t r) { tile(rows, m + r); });
+    }
+  }
+}
+
+// Panel p's weights as float32, [K, 48]: buffer[k, c] = scale * q (+ offset).
+template <typename Code>
+void dequantize_panel(const Part<Code>& w, int64_t K, float* buffer) {
+  constexpr bool u4 = std::is_same_v<Code, uint8_t>;
+  for (int64_t b = 0; b < K / w.block; ++b) {
+    for (int v = 0; v < kPanel / Vec::kLanes; ++v) {
+      const F scale = Vec::load(w.scales + b * kPanel + v * Vec::kLanes);
+      const F offset = u4 ? Vec::load(w.offsets + b * kPanel + v * Vec::kLanes) : Vec::zero();
+      for (int64_t k = b * w.block; k < (b + 1) * w.block; k += u4 ? 2 : 1) {
+        float* at = buffer + k * kPanel + v * Vec::kLanes;
+        if constexpr (u4) {
+          F lo, hi;
+          Vec::nibbles(w.codes + (k / 2) * kPanel + v * Vec::kLanes, lo, hi);
+          Vec::store(at, Vec::fma(scale, lo, offset));
+          Vec::store(at + kPanel, Vec::fma(scale, hi, offset));
+        } else {
+          Vec::store(at, Vec::fma(scale, Vec::bytes(w.codes + k * kPanel + v * Vec::kLanes), offset));
+        }
+      }
+    }
+  }
+}
+
+
+constexpr int64_t kBufferedRows = 8;  // a work item of this many rows dequantizes its panel
+
+// One work item: rows [m0, m0 + m) of x ([M, K]) by panel p of a weight with N outputs.
+template <typename Code>
+void run_item(const float* x, const float* xsum, int64_t K, int64_t N, const Code* codes,
+              const float* scales, const float* offsets, int64_t block, const float* bias,
+              const float* res, float* y, int64_t m0, int64_t m, int64_t p,
+              std::vector<float>& buffer) {
+  constexpr bool u4 = std::is_same_v<Code, uint8_t>;
+  const int64_t blocks = K / block, code_rows = u4 ? K / 2 : K;
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
+  const Part<Code> panel{codes + p * code_rows * kPanel, scales + p * blocks * kPanel,
+                         offsets != nullptr ? offsets + p * blocks * kPanel : nullptr, block};
+  const bool buffered = m >= kBufferedRows;
+  if (buffered) {
+    buffer.resize(K * kPanel);
+    dequantize_panel(panel, K, buffer.data());
+  }
+  for (int64_t h = 0; h < kPasses && h * kPass < cols; ++h) {
+    const int64_t c0 = n0 + h * kPass;
+    const auto out = [&](int64_t r) {
+      const int64_t row = m0 + r;
+      return Out{bias != nullptr ? bias + c0 : nullptr,
+                 res != nullptr ? res + row * N + c0 : nullptr, y + row * N + c0, N,
+                 cols - h * kPass < kPass ? cols - h * kPass : kPass};
+    };
+    if (buffered) {
+      const float* pass = buffer.data() + h * kPass;
+      in_tiles<Vec::kBigRows>(m, [&](auto rows, int64_t r) {
+        float_tile<decltype(rows)::value>(x + (m0 + r) * K, K, K, pass, out(r));
+      });
+    } else {
+      const Part<Code> pass{panel.codes + h * kPass, panel.scales + h * kPass,
+                            u4 ? panel.offsets + h * kPass : nullptr, block};
+      in_tiles<Vec::kSmallRows>(m, [&](auto rows, int64_t r) {
+        const float* sums = u4 ? xsum + (m0 + r) * blocks : nullptr;
+        register_tile<decltype(rows)::value>(x + (m0 + r) * K, K, sums, K, pass, out(r));
+      });
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+// The int8 path: each block of codes multiplied by x with vpdpbusd, four products summed
+// into a 32-bit lane per instruction, over x in two 8-bit parts per block of the
+// weight's: x = scale * (q + r / 256) up to scale / 512, q = round(x / scale) and r the
+// rounded rest in units of scale / 256 (an error of 1 / 65,000 of the block's largest
+// |x|, where one 8-bit part, as llama.cpp rounds its activations, moved the real
+// model's perplexity by 1.4 %: measurements in docs/benchmarks.md). A code row holds,
+// for each of the 48 columns, four bytes side by side: 4-bit codes of inputs 8j..8j+3
+// in their low nibbles and 8j+4..8j+7 in their high ones, or 8-bit codes of inputs
+// 4j..4j+3 plus 128 (vpdpbusd multiplies unsigned bytes by signed ones; the 128 times
+// the block's sum of x's parts is taken off again, exactly, in integers).
+constexpr int64_t kRow = kPanel * 4;  // bytes of a code row
+
+// x's rows in two 8-bit parts, and per block the scale, the float sum of x (what an
+// offset multiplies) and the parts' sum, 256 q + r (what the +128 adds).
+struct Quantized {
+  std::vector<int8_t> q, r;
+  std::vector<float> scale, sum;
+  std::vector<int32_t> qsum;
+};
+
+Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block) {
+  const int64_t groups = M * (K / block);
+  Quantized out{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K),
+                std::vector<float>(groups), std::vector<float>(groups),
+                std::vector<int32_t>(groups)};
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* at = x + g * block;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t k = 0; k < block; ++k) {
+      amax = std::max(amax, std::abs(at[k]));
+      sum += at[k];
+    }
+    const float scale = amax / 127.f;
+    const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+    int32_t qsum = 0;
+    int8_t* q = out.q.data() + g * block;
+    int8_t* r = out.r.data() + g * block;
+    for (int64_t k = 0; k < block; ++k) {
+      const float units = at[k] * inverse;  // x in units of scale, |units| <= 127
+      const float whole = std::nearbyint(units);
+      const float rest = std::nearbyint((units - whole) * 256.f);
+      q[k] = static_cast<int8_t>(whole);
+      r[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, rest)));
+      qsum += 256 * q[k] + r[k];
+    }
+    out.scale[g] = scale;
+    out.sum[g] = sum;
+    out.qsum[g] = qsum;
+  }
+  return out;
+}
+
+// sums += codes (unsigned bytes) times x's four bytes at `at`, repeated in every lane.
+inline __m512i dot(__m512i sums, __m512i codes, const int8_t* at) {
+  int32_t four;
+  std::memcpy(&four, at, 4);
+  return _mm512_dpbusd_epi32(sums, codes, _mm512_set1_epi32(four));
+}
+
+// MR rows of quantized x by one panel (all 48 columns).
+template <int MR, bool U4>
+inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
+                      const float* scales, const float* offsets, int64_t block, const Out& out) {
+  constexpr int64_t per_row = U4 ? 8 : 4;  // inputs a code row covers
+  const int64_t groups = K / block, rows_per_block = block / per_row;
+  F acc[MR][kV];
+  start<MR>(acc, out);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < groups; ++b) {
+    __m512i whole[MR][kV], rest[MR][kV];
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < kV; ++v) whole[m][v] = rest[m][v] = _mm512_setzero_si512();
+    }
+    for (int64_t i = 0; i < rows_per_block; ++i) {
+      const int64_t j = b * rows_per_block + i;
+      const uint8_t* row = codes + j * kRow;
+      for (int v = 0; v < kV; ++v) {
+        const __m512i raw = _mm512_loadu_si512(row + 64 * v);
+        const __m512i lo = U4 ? _mm512_and_si512(raw, low) : raw;
+        const __m512i hi = U4 ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), low) : raw;
+        for (int m = 0; m < MR; ++m) {
+          const int64_t at = (row0 + m) * K + j * per_row;
+          whole[m][v] = dot(whole[m][v], lo, xq.q.data() + at);
+          rest[m][v] = dot(rest[m][v], lo, xq.r.data() + at);
+          if constexpr (U4) {
+            whole[m][v] = dot(whole[m][v], hi, xq.q.data() + at + 4);
+            rest[m][v] = dot(rest[m][v], hi, xq.r.data() + at + 4);
+          }
+        }
+      }
+    }
+    for (int v = 0; v < kV; ++v) {
+      const F scale = Vec::load(scales + b * kPanel + v * Vec::kLanes);
+      const F offset = U4 ? Vec::load(offsets + b * kPanel + v * Vec::kLanes) : Vec::zero();
+      for (int m = 0; m < MR; ++m) {
+        const int64_t g = (row0 + m) * groups + b;
+        // 256 q + r, exactly, in 32 bits (at most 2^28 for a block of 32)
+        __m512i s = _mm512_add_epi32(_mm512_slli_epi32(whole[m][v], 8), rest[m][v]);
+        if constexpr (!U4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xq.qsum[g]));
+        const F step = _mm512_mul_ps(scale, Vec::set1(xq.scale[g] / 256.f));
+        acc[m][v] = Vec::fma(step, _mm512_cvtepi32_ps(s), acc[m][v]);
+        if constexpr (U4) acc[m][v] = Vec::fma(offset, Vec::set1(xq.sum[g]), acc[m][v]);
+      }
+    }
+  }
+  store<MR>(acc, out);
+}
+
+constexpr int kInt8Rows = 3;  // 3 x 3 sums and 2 x 3 x 3 block sums in registers
+#endif  // __AVX512VNNI__
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, int64_t block,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features,
+                        const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "tandem::linear_quant takes float32 x, got ",
+              x.scalar_type());
+  const bool u4 = offsets.has_value() && offsets->defined();  // 4-bit codes have offsets
+  const int64_t K = x.dim() >= 1 ? x.size(-1) : 0, N = out_features;
+  // Inputs per code row: a block must hold whole rows.
+#if defined(__AVX512VNNI__)
+  const int64_t per_row = u4 ? 8 : 4, width = kRow;
+  TORCH_CHECK(codes.scalar_type() == at::kByte,
+              "tandem::linear_quant: codes are uint8 in this build, got ", codes.scalar_type());
+#else
+  const int64_t per_row = u4 ? 2 : 1, width = kPanel;
+  TORCH_CHECK(codes.scalar_type() == (u4 ? at::kByte : at::kChar),
+              "tandem::linear_quant: codes are uint8 (4-bit pairs, with offsets) or int8 "
+              "(without), got ", codes.scalar_type(), u4 ? " with offsets" : " without");
+#endif
+  TORCH_CHECK(K > 0 && block > 0 && K % block == 0 && block % per_row == 0,
+              "tandem::linear_quant: x's ", K, " features are not whole blocks of ", block,
+              " (a block a multiple of ", per_row, ")");
+  const int64_t rows_of_k = K / per_row;
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == width &&
+                  codes.size(1) == rows_of_k,
+              "tandem::linear_quant: the codes must be a contiguous [P, ", rows_of_k, ", ", width,
+              "] tensor (models/quant_panels.py), got ", codes.sizes());
+  const int64_t P = codes.size(0);
+  TORCH_CHECK(P > 0 && N > (P - 1) * kPanel && N <= P * kPanel, "tandem::linear_quant: ", P,
+              " panels hold ", (P - 1) * kPanel + 1, " to ", P * kPanel, " output features, not ",
+              N);
+  const std::vector<int64_t> per_block{P, K / block, kPanel};
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef(per_block),
+              "tandem::linear_quant: the scales must be a contiguous float32 ",
+              at::IntArrayRef(per_block), " tensor, got ", scales.sizes());
+  if (u4) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
+                    offsets->sizes() == at::IntArrayRef(per_block),
+                "tandem::linear_quant: the offsets are shaped as the scales");
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+                "tandem::linear_quant: the bias is a contiguous float32 [out]");
+    bp = bias->const_data_ptr<float>();
+  }
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  at::Tensor y = at::empty({M, N}, rows.options());
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  const float* rp = nullptr;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->sizes() == shape &&
+                    residual->is_contiguous(),
+                "tandem::linear_quant: the residual is a contiguous float32 tensor of the "
+                "output's shape ", at::IntArrayRef(shape), ", got ", residual->sizes(), " ",
+                residual->scalar_type());
+    rp = residual->const_data_ptr<float>();
+  }
+  if (M == 0) return y.view(shape);
+  const float* xp = rows.const_data_ptr<float>();
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_rows = (M + chunks - 1) / chunks;
+  const float* op = u4 ? offsets->const_data_ptr<float>() : nullptr;
+  const float* sp = scales.const_data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const auto items = [&](auto&& run) {
+    tandem_cpu::for_each_item(
+        chunks * P, [] { return std::vector<float>(); },
+        [&](int64_t item, std::vector<float>& buffer) {
+          const int64_t chunk = item / P, p = item % P, m0 = chunk * chunk_rows;
+          run(m0, M - m0 < chunk_rows ? M - m0 : chunk_rows, p, buffer);
+        });
+  };
+#if defined(__AVX512VNNI__)
+  const Quantized xq = quantize(xp, M, K, block);
+  const uint8_t* cp = codes.const_data_ptr<uint8_t>();
+  const int64_t groups = K / block;
+  items([&](int64_t m0, int64_t m, int64_t p, std::vector<float>&) {
+    const int64_t n0 = p * kPanel;
+    const uint8_t* panel = cp + p * rows_of_k * kRow;
+    const float* ps = sp + p * groups * kPanel;
+    const float* po = op != nullptr ? op + p * groups * kPanel : nullptr;
+    in_tiles<kInt8Rows>(m, [&](auto tile_rows, int64_t r) {
+      constexpr int R = decltype(tile_rows)::value;
+      const int64_t row = m0 + r;
+      const Out out{bp != nullptr ? bp + n0 : nullptr, rp != nullptr ? rp + row * N + n0 : nullptr,
+                    yp + row * N + n0, N, N - n0 < kPanel ? N - n0 : kPanel};
+      if (u4) {
+        int8_tile<R, true>(xq, row, K, panel, ps, po, block, out);
+      } else {
+        int8_tile<R, false>(xq, row, K, panel, ps, po, block, out);
+      }
+    });
+  });
+#else
+  // Each row's sum over each block: what an offset multiplies.
+  const int64_t blocks = K / block;
+  std::vector<float> xsum(u4 ? M * blocks : 0);
+  for (int64_t i = 0; u4 && i < M * blocks; ++i) {
+    const float* at = xp + i * block;
+    float sum = 0.f;
+    for (int64_t k = 0; k < block; ++k) sum += at[k];
+    xsum[i] = sum;
+  }
+  const auto product = [&](const auto* cp) {
+    items([&](int64_t m0, int64_t m, int64_t p, std::vector<float>& buffer) {
+      run_item(xp, xsum.data(), K, N, cp, sp, op, block, bp, rp, yp, m0, m, p, buffer);
+    });
+  };
+  if (u4) {
+    product(codes.const_data_ptr<uint8_t>());
+  } else {
+    product(codes.const_data_ptr<int8_t>());
+  }
+#endif
+  return y.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def(
+      "linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int block, "
+      "Tensor? bias, int out_features, Tensor? residual=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("linear_quant", linear_quant); }
+
+#endif  // AVX-512, or AVX2 and FMA
