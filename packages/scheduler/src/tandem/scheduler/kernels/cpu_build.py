@@ -197,21 +197,42 @@ def panel_halves() -> bool:
 
 
 def _build(compiler: str, flags: list[str], library: Path) -> None:
-    """Compile ``SOURCES`` into ``library``, atomically (a temporary file renamed)."""
+    """Compile ``SOURCES`` into ``library``, atomically (a temporary file renamed): each
+    source by a compiler of its own, all at once (the machine's cores share the work),
+    then one link."""
     # torch's own headers and libraries, found beside its package (what
     # torch.utils.cpp_extension would give, without the setuptools it imports).
     root = Path(torch.__file__).parent
     libdir = root / "lib"
     includes = [f"-I{root / 'include'}"]
     links = [f"-L{libdir}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{libdir}"]
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    command = [compiler, *flags, *includes, *map(str, SOURCES), "-o", partial, *links]
     log.info("building tandem's CPU kernels (once per machine and torch version)")
-    try:
+    with tempfile.TemporaryDirectory(dir=library.parent) as work:
+        objects = [Path(work) / f"{source.stem}.o" for source in SOURCES]
+        compile_flags = [f for f in flags if f != "-shared"]
+        runs = [
+            subprocess.Popen(
+                [compiler, *compile_flags, *includes, "-c", str(source), "-o", str(obj)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        try:
+            for run in runs:
+                _, err = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                if run.returncode != 0:
+                    raise RuntimeError(f"{Path(compiler).name} failed: {err.strip()[-2000:]}")
+        finally:
+            for run in runs:
+                if run.poll() is None:
+                    run.kill()
+                    run.wait()
+        partial = Path(work) / library.name
+        command = [compiler, *flags, *map(str, objects), "-o", str(partial), *links]
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {done.stderr.strip()[-2000:]}")
         os.replace(partial, library)
-    finally:
-        Path(partial).unlink(missing_ok=True)

@@ -310,8 +310,8 @@ void run_item(const float* x, const float* xsum, int64_t K, int64_t N, const Cod
 // into a 32-bit lane per instruction, over x in two 8-bit parts per block of the
 // weight's: x = scale * (q + r / 256) up to scale / 512, q = round(x / scale) and r the
 // rounded rest in units of scale / 256 (an error of 1 / 65,000 of the block's largest
-// |x|, where one 8-bit part, as llama.cpp rounds its activations, moved the real
-// model's perplexity by 1.4 %: measurements in docs/benchmarks.md). A code row holds,
+// |x|). With `parts` 1, x is q alone, as llama.cpp rounds its activations: half the dot
+// products, and the real model's perplexity 1.4 % higher (docs/benchmarks.md). A code row holds,
 // for each of the 48 columns, four bytes side by side: 4-bit codes of inputs 8j..8j+3
 // in their low nibbles and 8j+4..8j+7 in their high ones, or 8-bit codes of inputs
 // 4j..4j+3 plus 128 (vpdpbusd multiplies unsigned bytes by signed ones; the 128 times
@@ -326,35 +326,65 @@ struct Quantized {
   std::vector<int32_t> qsum;
 };
 
-Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block) {
+// One block of x (at, `block` values) into its parts at q and r; returns its scale, and
+// its float sum and its parts' sum through `sum` and `qsum`.
+inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q, int8_t* r,
+                            float& sum, int32_t& qsum) {
+  float amax = 0.f;
+  sum = 0.f;
+  int64_t k = 0;
+  __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+  for (; k + 16 <= block; k += 16) {
+    const __m512 v = _mm512_loadu_ps(at + k);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    vsum = _mm512_add_ps(vsum, v);
+  }
+  amax = _mm512_reduce_max_ps(vmax);
+  sum = _mm512_reduce_add_ps(vsum);
+  for (int64_t t = k; t < block; ++t) {
+    amax = std::max(amax, std::abs(at[t]));
+    sum += at[t];
+  }
+  const float scale = amax / 127.f;
+  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 vinverse = _mm512_set1_ps(inverse), bound = _mm512_set1_ps(127.f);
+  __m512i vqsum = _mm512_setzero_si512();
+  for (k = 0; k + 16 <= block; k += 16) {
+    const __m512 units = _mm512_mul_ps(_mm512_loadu_ps(at + k), vinverse);  // |units| <= 127
+    const __m512 whole = _mm512_roundscale_ps(units, kNearest);
+    __m512 rest = _mm512_roundscale_ps(
+        _mm512_mul_ps(_mm512_sub_ps(units, whole), _mm512_set1_ps(two ? 256.f : 0.f)), kNearest);
+    rest = _mm512_min_ps(bound, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), bound), rest));
+    const __m512i wq = _mm512_cvtps_epi32(whole), rq = _mm512_cvtps_epi32(rest);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(wq));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r + k), _mm512_cvtsepi32_epi8(rq));
+    vqsum = _mm512_add_epi32(vqsum, _mm512_add_epi32(_mm512_slli_epi32(wq, 8), rq));
+  }
+  qsum = _mm512_reduce_add_epi32(vqsum);
+  for (int64_t t = k; t < block; ++t) {
+    const float units = at[t] * inverse;
+    const float whole = std::nearbyint(units);
+    const float rest = two ? std::nearbyint((units - whole) * 256.f) : 0.f;
+    q[t] = static_cast<int8_t>(whole);
+    r[t] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, rest)));
+    qsum += 256 * q[t] + r[t];
+  }
+  return scale;
+}
+
+Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block, bool two) {
   const int64_t groups = M * (K / block);
   Quantized out{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K),
                 std::vector<float>(groups), std::vector<float>(groups),
                 std::vector<int32_t>(groups)};
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* at = x + g * block;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t k = 0; k < block; ++k) {
-      amax = std::max(amax, std::abs(at[k]));
-      sum += at[k];
+  // Rows in parallel where there are enough of them to repay the threads' start.
+  at::parallel_for(0, groups, M >= 8 ? (K / block) * 4 : groups, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      out.scale[g] = quantize_block(x + g * block, block, two, out.q.data() + g * block,
+                                    out.r.data() + g * block, out.sum[g], out.qsum[g]);
     }
-    const float scale = amax / 127.f;
-    const float inverse = amax > 0.f ? 1.f / scale : 0.f;
-    int32_t qsum = 0;
-    int8_t* q = out.q.data() + g * block;
-    int8_t* r = out.r.data() + g * block;
-    for (int64_t k = 0; k < block; ++k) {
-      const float units = at[k] * inverse;  // x in units of scale, |units| <= 127
-      const float whole = std::nearbyint(units);
-      const float rest = std::nearbyint((units - whole) * 256.f);
-      q[k] = static_cast<int8_t>(whole);
-      r[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, rest)));
-      qsum += 256 * q[k] + r[k];
-    }
-    out.scale[g] = scale;
-    out.sum[g] = sum;
-    out.qsum[g] = qsum;
-  }
+  });
   return out;
 }
 
@@ -366,7 +396,7 @@ inline __m512i dot(__m512i sums, __m512i codes, const int8_t* at) {
 }
 
 // MR rows of quantized x by one panel (all 48 columns).
-template <int MR, bool U4>
+template <int MR, bool U4, bool Two>
 inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
                       const float* scales, const float* offsets, int64_t block, const Out& out) {
   constexpr int64_t per_row = U4 ? 8 : 4;  // inputs a code row covers
@@ -389,10 +419,10 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
         for (int m = 0; m < MR; ++m) {
           const int64_t at = (row0 + m) * K + j * per_row;
           whole[m][v] = dot(whole[m][v], lo, xq.q.data() + at);
-          rest[m][v] = dot(rest[m][v], lo, xq.r.data() + at);
+          if constexpr (Two) rest[m][v] = dot(rest[m][v], lo, xq.r.data() + at);
           if constexpr (U4) {
             whole[m][v] = dot(whole[m][v], hi, xq.q.data() + at + 4);
-            rest[m][v] = dot(rest[m][v], hi, xq.r.data() + at + 4);
+            if constexpr (Two) rest[m][v] = dot(rest[m][v], hi, xq.r.data() + at + 4);
           }
         }
       }
@@ -414,15 +444,19 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
   store<MR>(acc, out);
 }
 
-constexpr int kInt8Rows = 3;  // 3 x 3 sums and 2 x 3 x 3 block sums in registers
+// Rows of a tile: 3 x 3 sums and 2 x 3 x 3 block sums in registers, or with one part
+// of x, 4 x 3 and 4 x 3.
+template <bool Two>
+constexpr int kInt8Rows = Two ? 3 : 4;
 #endif  // __AVX512VNNI__
 
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, int64_t block,
                         const c10::optional<at::Tensor>& bias, int64_t out_features,
-                        const c10::optional<at::Tensor>& residual) {
+                        const c10::optional<at::Tensor>& residual, int64_t parts) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "tandem::linear_quant takes float32 x, got ",
               x.scalar_type());
+  TORCH_CHECK(parts == 1 || parts == 2, "tandem::linear_quant: x in 1 or 2 parts, not ", parts);
   const bool u4 = offsets.has_value() && offsets->defined();  // 4-bit codes have offsets
   const int64_t K = x.dim() >= 1 ? x.size(-1) : 0, N = out_features;
   // Inputs per code row: a block must hold whole rows.
@@ -494,26 +528,31 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
         });
   };
 #if defined(__AVX512VNNI__)
-  const Quantized xq = quantize(xp, M, K, block);
+  const Quantized xq = quantize(xp, M, K, block, parts == 2);
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
   const int64_t groups = K / block;
-  items([&](int64_t m0, int64_t m, int64_t p, std::vector<float>&) {
-    const int64_t n0 = p * kPanel;
-    const uint8_t* panel = cp + p * rows_of_k * kRow;
-    const float* ps = sp + p * groups * kPanel;
-    const float* po = op != nullptr ? op + p * groups * kPanel : nullptr;
-    in_tiles<kInt8Rows>(m, [&](auto tile_rows, int64_t r) {
-      constexpr int R = decltype(tile_rows)::value;
-      const int64_t row = m0 + r;
-      const Out out{bp != nullptr ? bp + n0 : nullptr, rp != nullptr ? rp + row * N + n0 : nullptr,
-                    yp + row * N + n0, N, N - n0 < kPanel ? N - n0 : kPanel};
-      if (u4) {
-        int8_tile<R, true>(xq, row, K, panel, ps, po, block, out);
-      } else {
-        int8_tile<R, false>(xq, row, K, panel, ps, po, block, out);
-      }
+  const auto product = [&](auto u4_tag, auto two_tag) {
+    constexpr bool U4 = decltype(u4_tag)::value, Two = decltype(two_tag)::value;
+    items([&](int64_t m0, int64_t m, int64_t p, std::vector<float>&) {
+      const int64_t n0 = p * kPanel;
+      const uint8_t* panel = cp + p * rows_of_k * kRow;
+      const float* ps = sp + p * groups * kPanel;
+      const float* po = op != nullptr ? op + p * groups * kPanel : nullptr;
+      in_tiles<kInt8Rows<Two>>(m, [&](auto tile_rows, int64_t r) {
+        const int64_t row = m0 + r;
+        const Out out{bp != nullptr ? bp + n0 : nullptr,
+                      rp != nullptr ? rp + row * N + n0 : nullptr, yp + row * N + n0, N,
+                      N - n0 < kPanel ? N - n0 : kPanel};
+        int8_tile<decltype(tile_rows)::value, U4, Two>(xq, row, K, panel, ps, po, block, out);
+      });
     });
-  });
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (u4 && parts == 2) product(Yes{}, Yes{});
+  if (u4 && parts == 1) product(Yes{}, No{});
+  if (!u4 && parts == 2) product(No{}, Yes{});
+  if (!u4 && parts == 1) product(No{}, No{});
 #else
   // Each row's sum over each block: what an offset multiplies.
   const int64_t blocks = K / block;
@@ -543,7 +582,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def(
       "linear_quant(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int block, "
-      "Tensor? bias, int out_features, Tensor? residual=None) -> Tensor");
+      "Tensor? bias, int out_features, Tensor? residual=None, int parts=2) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) { m.impl("linear_quant", linear_quant); }

@@ -61,6 +61,9 @@ class QuantPanels:
     in_features: int
     qtype: str
     layout: Layout = Layout.FLOAT
+    # x's 8-bit parts in the int8 layout's products: 2 (an error of 1 / 65,000 of each
+    # block's largest value) or 1 (llama.cpp's rounding, half the work); see the kernel.
+    parts: int = 2
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +86,7 @@ class QuantPanels:
             residual = None if residual is None else residual.float()
         y: torch.Tensor = torch.ops.tandem.linear_quant(
             x, self.codes, self.scales, self.offsets, self.block, bias, self.out_features,
-            residual,
+            residual, self.parts,
         )  # fmt: skip
         return y if dtype == torch.float32 else y.to(dtype)
 
@@ -117,9 +120,9 @@ class QuantPanels:
 
 
 @torch.no_grad()
-def to_quant_panels(weight: RowQuant, layout: Layout | None = None) -> QuantPanels:
+def to_quant_panels(weight: RowQuant, layout: Layout | None = None, parts: int = 2) -> QuantPanels:
     """``weight`` (row form) repacked into panels in ``layout`` (default: this machine's
-    kernel's, ``Layout.native``); see ``QuantPanels``."""
+    kernel's, ``Layout.native``), multiplied by x in ``parts``; see ``QuantPanels``."""
     layout = Layout.native() if layout is None else layout
     rows, cols = weight.codes.shape
     count = -(-rows // PANEL_COLUMNS)
@@ -147,6 +150,7 @@ def to_quant_panels(weight: RowQuant, layout: Layout | None = None) -> QuantPane
         return blocks.view(count, PANEL_COLUMNS, -1).transpose(1, 2).contiguous()
 
     offsets = None if weight.offsets is None else per_block(weight.offsets)
+    scales = per_block(weight.scales)
     return QuantPanels(
-        codes, per_block(weight.scales), offsets, weight.block, rows, cols, weight.qtype, layout
+        codes, scales, offsets, weight.block, rows, cols, weight.qtype, layout, parts
     )

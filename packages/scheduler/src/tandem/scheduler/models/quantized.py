@@ -26,11 +26,14 @@ if TYPE_CHECKING:
 class QuantizedLinear(nn.Module):
     """``y = x @ weight.T + bias`` over a quantized weight (see the module docstring)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: nn.Parameter | None, parts: int = 2
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.bias = bias
+        self.parts = parts  # x's 8-bit parts in the int8 products (``QuantPanels.parts``)
         self.quant: RowQuant | None = None  # set by ``load``, dropped by ``panels_once``
         self.panels: QuantPanels | None = None
         self.qtype = "?"  # the source type's name, once loaded
@@ -44,7 +47,7 @@ class QuantizedLinear(nn.Module):
         if self.panels is None:
             if self.quant is None:
                 raise RuntimeError("a QuantizedLinear was used before its weight was loaded")
-            self.panels, self.quant = to_quant_panels(self.quant), None
+            self.panels, self.quant = to_quant_panels(self.quant, parts=self.parts), None
         return self.panels
 
     def dequantized(self) -> torch.Tensor:
@@ -102,7 +105,10 @@ def pack_quantized(linears: Sequence[nn.Module]) -> PackedLinear | None:
             runs[-1].append(quant)
         else:
             runs.append([quant])
-    parts = tuple(to_quant_panels(run[0] if len(run) == 1 else run[0].cat(run)) for run in runs)
+    parts = tuple(
+        to_quant_panels(run[0] if len(run) == 1 else run[0].cat(run), parts=layers[0].parts)
+        for run in runs
+    )
     for m in layers:
         m.quant = None  # the stacked panels replace them
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
@@ -112,31 +118,32 @@ def pack_quantized(linears: Sequence[nn.Module]) -> PackedLinear | None:
 
 
 def replace_with_quantized(
-    model: nn.Module, names: Iterable[str], dtype: torch.dtype, tied: bool
+    model: nn.Module, names: Iterable[str], dtype: torch.dtype, tied: bool, parts: int = 2
 ) -> dict[str, QuantizedLinear]:
     """Swap the layers whose weights ``names`` (the model's names) stay quantized for
     ``QuantizedLinear``/``QuantizedEmbedding`` (on a model built on the meta device,
-    before its storage is allocated); ``tied``: the head shares the embedding's table.
-    Returns the new layers by weight name, for the loader to fill."""
+    before its storage is allocated); ``tied``: the head shares the embedding's table;
+    ``parts``: ``QuantPanels.parts``. Returns the new layers by weight name, for the
+    loader to fill."""
     layers: dict[str, QuantizedLinear] = {}
     for name in sorted(names):
         parent_name, _, attr = name.removesuffix(".weight").rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, attr)
         if isinstance(old, nn.Embedding):
-            table = QuantizedLinear(old.embedding_dim, old.num_embeddings, None)
+            table = QuantizedLinear(old.embedding_dim, old.num_embeddings, None, parts)
             setattr(parent, attr, QuantizedEmbedding(table, dtype))
             if tied:
                 model.lm_head = table
             layers[name] = table
         else:
-            layers[name] = QuantizedLinear(old.in_features, old.out_features, old.bias)
+            layers[name] = QuantizedLinear(old.in_features, old.out_features, old.bias, parts)
             setattr(parent, attr, layers[name])
     return layers
 
 
 @torch.no_grad()
-def quantize_layers_int8(model: nn.Module) -> int:
+def quantize_layers_int8(model: nn.Module, parts: int = 2) -> int:
     """Weight-only int8 (``quant_rows.quantize_int8``: one scale per output channel) for
     every ``nn.Linear`` of the decoder layers, made from their loaded float weights, each
     float weight freed as its codes are made; the embedding and head keep their dtype,
@@ -148,7 +155,7 @@ def quantize_layers_int8(model: nn.Module) -> int:
         if not isinstance(old, nn.Linear) or ".layers." not in f".{name}":
             continue
         parent_name, _, attr = name.rpartition(".")
-        layer = QuantizedLinear(old.in_features, old.out_features, old.bias)
+        layer = QuantizedLinear(old.in_features, old.out_features, old.bias, parts)
         layer.load(quantize_int8(old.weight))
         setattr(model.get_submodule(parent_name), attr, layer)
         converted += 1

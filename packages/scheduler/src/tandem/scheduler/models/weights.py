@@ -81,6 +81,7 @@ def load_model(
     tp: TensorParallel = SINGLE,
     forward_threads: int | None = None,
     quantization: str = "none",
+    int8_activations: bool = False,
 ) -> CausalLM:
     """A ``CausalLM`` on ``device`` in ``dtype``, in eval mode, without gradients.
 
@@ -93,7 +94,8 @@ def load_model(
     weights are the same values as one rank's, sliced).
     ``forward_threads``: the CPU forward's intra-op threads (see ``CausalLM.pack``).
     ``quantization``: ``none`` (every weight in ``dtype``), ``gguf`` (a GGUF file's
-    blocks kept, see ``keeps_blocks``) or ``int8`` (``quantized.quantize_layers_int8``).
+    blocks kept, see ``keeps_blocks``) or ``int8`` (``quantized.quantize_layers_int8``);
+    ``int8_activations``: their int8 products round x to one 8-bit part, not two.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
@@ -102,6 +104,7 @@ def load_model(
             f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}"
         )
     device = torch.device(device)
+    parts = 1 if int8_activations else 2
     if quantization == "int8":
         _check_int8(device, tp)
     model = _build_on_meta(config, dtype, tp)
@@ -112,7 +115,7 @@ def load_model(
         model = _materialize(model, device)
         _fill_dummy(model, seed, whole, config)
         if quantization == "int8":
-            quantize_layers_int8(model)
+            quantize_layers_int8(model, parts)
         return _for_inference(model, forward_threads)
     if model_path is None:
         raise ValueError(f"load_format {load_format!r} needs a model_path")
@@ -132,11 +135,11 @@ def load_model(
         if keeps_blocks(quantization, device, tp):
             keep = gguf_file.kept_quantized(source, config)
         tied = config.tie_word_embeddings
-        quantized = replace_with_quantized(model, keep, dtype, tied)
+        quantized = replace_with_quantized(model, keep, dtype, tied, parts)
         model = _materialize(model, device)
         gguf_file.copy_gguf_weights(model, source, config, quantized)
         if quantization == "int8":
-            quantize_layers_int8(model)
+            quantize_layers_int8(model, parts)
         return _for_inference(model, forward_threads)
     if quantization == "gguf":
         raise ValueError(f"quantization 'gguf' needs a GGUF file; {path} is not one's folder")
@@ -146,7 +149,7 @@ def load_model(
     model = _materialize(model, device)
     _copy_checkpoint(model, files, config)
     if quantization == "int8":
-        quantize_layers_int8(model)
+        quantize_layers_int8(model, parts)
     return _for_inference(model, forward_threads)
 
 
