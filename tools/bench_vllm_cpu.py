@@ -354,6 +354,7 @@ class Server:
         self.process: subprocess.Popen[bytes] | None = None
         self.begin = 0.0
         self.startup_s = 0.0
+        self.weights: dict[str, Any] = {}  # tandem's: how it holds the weights
 
     def start(self, url: str, timeout: float) -> None:
         self.launch()
@@ -394,6 +395,10 @@ class Server:
             time.sleep(1)
         self.startup_s = time.monotonic() - begin
         log(f"{self.name} ready after {self.startup_s:.1f} s")
+        if self.name == "tandem":
+            info = httpx.get(f"{url}/get_server_info", timeout=10, trust_env=False).json()
+            keys = ("quantization", "cpu_int8_activations", "weights_bytes")
+            self.weights = {key: info.get(key) for key in keys}
 
     def log_tail(self) -> str:
         try:
@@ -953,6 +958,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": portable(server.command, checkpoint.for_engine(engine), venv, llama_bin),
             "env": server.env,
             "startup_s": round(server.startup_s, 1),
+            **({"weights": server.weights} if server.weights else {}),
         }
         for engine, (server, _) in servers.items()
     }

@@ -13,9 +13,9 @@ tandem is scored twice on the same file and text:
 - **the same tokens**: tandem's engine, in this process, scores llama.cpp's own tokens
   of the text (read from ``llama-server``'s ``/tokenize``) chunk by chunk with exactly
   those positions scored (its prompt logprobs from position N/2 + 1); so the two
-  figures differ only by the engines' arithmetic (tandem dequantizes the weights to
-  ``--dtype``; llama.cpp multiplies the quantized weights with activations quantized to 8
-  bits, and keeps its KV cache in float16);
+  figures differ only by the engines' arithmetic (tandem multiplies the file's blocks
+  with activations in two 8-bit parts, its default on a CPU; llama.cpp multiplies them
+  with activations quantized to 8 bits, and keeps its KV cache in float16);
 - **``tandem bench perplexity``** with ``--window N --stride N --max-tokens K x N``: the
   same K chunks of its own tokens of the text, each scored from its second token on
   (N - 1 tokens a chunk, the early ones with little context, so a higher figure).
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
-        help="what tandem dequantizes the weights to (default: %(default)s)",
+        help="tandem's activations, and its weights where dequantized (default: %(default)s)",
     )
     parser.add_argument("--output-json", type=Path, help="write the record here")
     parser.add_argument(

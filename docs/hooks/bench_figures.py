@@ -1117,8 +1117,20 @@ class VsResult:
         return f"{self.model} {self.weights}" if self.weights else self.model
 
     @property
+    def tandem_weights(self) -> str:
+        """How tandem held a GGUF file's weights: the record its server gave (files
+        from before quantized weights have none: dequantized to the dtype)."""
+        held = self.engines.get("tandem", {}).get("weights") or {}
+        if held.get("quantization") == "gguf":
+            parts = "one 8-bit part" if held.get("cpu_int8_activations") else "two 8-bit parts"
+            return f"tandem on the {self.weights} blocks (x in {parts} where int8)"
+        if held.get("quantization") == "int8":
+            return "tandem in weight-only int8"
+        return f"tandem in {self.dtype}"
+
+    @property
     def label(self) -> str:
-        dtype = f", tandem in {self.dtype}" if self.weights else f" {self.dtype}"
+        dtype = f", {self.tandem_weights}" if self.weights else f" {self.dtype}"
         return f"{self.model_label}{dtype}" + (f", {self.vectors}" if self.vectors else "")
 
 
@@ -1315,7 +1327,7 @@ def _vs_setting(r: Result, v: VsResult) -> str:
     ]
     size = f"{v.parameters / 1e6:.1f}M parameters"
     what = (
-        f"({size}, {v.weights} weights, tandem in {v.dtype})"
+        f"({size}, {v.weights} weights, {v.tandem_weights})"
         if v.weights
         else f"({size}), {v.dtype}"
     )
