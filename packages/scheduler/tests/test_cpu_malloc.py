@@ -102,3 +102,31 @@ def test_the_next_engine_gives_back_what_an_earlier_one_kept() -> None:
     mib = 1 << 20
     assert kept > 192 * mib  # the setting kept the freed block
     assert after < 32 * mib  # and the next engine's start gave it back
+
+
+# Resident bytes a load's temporary buffers leave behind under the setting, before and
+# after ``release_freed_memory``, as the engine calls it once the weights are loaded.
+_AFTER_LOAD = (
+    _PRELUDE
+    + """
+from tandem.scheduler.engine.cpu_malloc import release_freed_memory
+assert keep_freed_memory()
+before = resident()
+buffers = [torch.ones(16 << 20, dtype=torch.uint8) for _ in range(16)]  # a load's
+del buffers
+kept = resident() - before
+release_freed_memory()
+print(kept, resident() - before)
+"""
+)
+
+
+def test_what_loading_the_weights_freed_goes_back_to_the_system() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _AFTER_LOAD], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    kept, after = map(int, done.stdout.split())
+    mib = 1 << 20
+    assert kept > 192 * mib  # the setting kept the freed buffers
+    assert after < 32 * mib  # and the release after loading gave them back

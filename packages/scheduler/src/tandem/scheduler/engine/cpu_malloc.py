@@ -50,3 +50,19 @@ def keep_freed_memory() -> bool:
     taken = [bool(mallopt(param, value)) for param, value in settings]
     mallopt(M_TOP_PAD, TOP_PAD)
     return all(taken)
+
+
+def release_freed_memory() -> None:
+    """Give the system back what the allocator keeps of freed memory, once: after the
+    weights are loaded, whose temporary buffers (a chunk's dequantized rows, the float
+    weights int8 is made from, the row form the panels are made from) the raised
+    thresholds would otherwise keep resident for the process's life. A no-op where the
+    C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - present in glibc only
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)

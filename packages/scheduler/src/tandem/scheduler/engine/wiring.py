@@ -29,7 +29,7 @@ from tandem.scheduler.attention import (
 )
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
-from tandem.scheduler.engine.cpu_malloc import keep_freed_memory
+from tandem.scheduler.engine.cpu_malloc import keep_freed_memory, release_freed_memory
 from tandem.scheduler.kernels.cpu_build import load_cpu_kernels
 from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.models import (
@@ -183,6 +183,8 @@ def _wire(
         quantization=quantization,
         int8_activations=cfg.cpu_int8_activations,
     )
+    if device.type == "cpu":
+        release_freed_memory()  # the load's temporary buffers, kept by cpu_malloc's settings
     layout = KVLayout(local.num_hidden_layers, local.num_key_value_heads, local.head_dim, dtype)
     pages = _num_pages(cfg, layout, device, context_length)
     if ranks is not None:
