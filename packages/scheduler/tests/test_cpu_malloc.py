@@ -94,14 +94,7 @@ def test_the_next_engine_gives_back_what_an_earlier_one_kept() -> None:
     """Each engine's forward thread allocates in an arena of its own: without a trim
     when the next engine starts, every engine made in one process (a test session, a
     notebook) would add its whole working set to the resident memory for good."""
-    done = subprocess.run(
-        [sys.executable, "-c", _NEXT_ENGINE], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    kept, after = map(int, done.stdout.split())
-    mib = 1 << 20
-    assert kept > 192 * mib  # the setting kept the freed block
-    assert after < 32 * mib  # and the next engine's start gave it back
+    _assert_kept_then_given_back(_NEXT_ENGINE)
 
 
 # Resident bytes a load's temporary buffers leave behind under the setting, before and
@@ -122,11 +115,17 @@ print(kept, resident() - before)
 
 
 def test_what_loading_the_weights_freed_goes_back_to_the_system() -> None:
+    _assert_kept_then_given_back(_AFTER_LOAD)
+
+
+def _assert_kept_then_given_back(script: str) -> None:
+    """``script`` prints the resident bytes its freed blocks left, then what was left
+    after they were given back: over 192 MiB kept (the setting), under 32 MiB after."""
     done = subprocess.run(
-        [sys.executable, "-c", _AFTER_LOAD], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     kept, after = map(int, done.stdout.split())
     mib = 1 << 20
-    assert kept > 192 * mib  # the setting kept the freed buffers
-    assert after < 32 * mib  # and the release after loading gave them back
+    assert kept > 192 * mib
+    assert after < 32 * mib

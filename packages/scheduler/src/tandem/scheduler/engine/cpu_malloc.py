@@ -32,20 +32,17 @@ def keep_freed_memory() -> bool:
     whether they were taken: False where the C library is not glibc (musl, macOS), whose
     allocators have no such thresholds. With another allocator preloaded (jemalloc,
     tcmalloc), ``mallopt`` is that allocator's, which ignores these settings."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - present in glibc only
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # What an earlier engine of this process freed and the raised thresholds kept goes
     # back to the system first: each engine's forward thread allocates in its own arena,
     # so without this every engine created in one process (tests, notebooks) would add
     # its whole working set to the process's resident memory.
-    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
-    libc.malloc_trim(0)
+    _trim(libc)
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     taken = [bool(mallopt(param, value)) for param, value in settings]
     mallopt(M_TOP_PAD, TOP_PAD)
@@ -58,11 +55,21 @@ def release_freed_memory() -> None:
     weights int8 is made from, the row form the panels are made from) the raised
     thresholds would otherwise keep resident for the process's life. A no-op where the
     C library is not glibc."""
+    libc = _glibc()
+    if libc is not None:
+        _trim(libc)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library, if it is glibc."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - present in glibc only
-        trim = libc.malloc_trim
     except (OSError, AttributeError):
-        return
-    trim.argtypes = (ctypes.c_size_t,)
-    trim(0)
+        return None
+    return libc
+
+
+def _trim(libc: ctypes.CDLL) -> None:
+    libc.malloc_trim.argtypes = (ctypes.c_size_t,)
+    libc.malloc_trim(0)

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.scheduler.models.packing import PackedLinear
@@ -52,16 +51,15 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight in float32, ``[out_features, in_features]``: for readers of a
-        weight (tests, a fallback without the kernel); the product never makes it. Not
+        weight (tests); the product never makes it. Not
         a ``weight`` attribute: tracing a module reads every attribute it has."""
         if self.panels is None and self.quant is not None:
             return self.quant.dequantize()
         return self.panels_once().dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if quant_kernel():
-            return self.panels_once()(x, self.bias)
-        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+        # Made only where the kernel is loaded (the loader checks), so no fallback here.
+        return self.panels_once()(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
