@@ -111,6 +111,27 @@ def test_sharegpt(tmp_path: Path) -> None:
         assert result["total_output_tokens"] == sum(expected)
 
 
+def test_sharegpt_with_the_chat_template(tmp_path: Path) -> None:
+    """``--apply-chat-template``: each human turn is a one-turn chat in the model's
+    template, so the prompt is the rendered chat's tokens."""
+    from tandem.scheduler.models.tiny import default_model_path
+    from tandem.scheduler.text.tokenizer import Tokenizer
+    from tandem.server.bench import offline
+
+    data = [{"conversations": [{"from": "human", "value": "Tell me about tea."},
+                               {"from": "gpt", "value": "It is a drink."}]}]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    tokenizer = Tokenizer.from_pretrained(default_model_path())
+    args = offline.build_parser().parse_args(
+        ["--workload", "sharegpt", "--dataset-path", str(path), "--apply-chat-template"]
+    )
+    work = offline.build_workload(args, 0, tokenizer, 1 << 20)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about tea."}])
+    assert work.prompts == [tokenizer.encode(chat, add_special_tokens=False)]
+    assert work.output_lens == [len(tokenizer.encode("It is a drink.", add_special_tokens=False))]
+
+
 def test_sharegpt_needs_dataset() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", *TINY, "--workload", "sharegpt"])
@@ -127,6 +148,7 @@ def test_compare_speculative_on_a_text_workload(tmp_path: Path, cache: Path) -> 
     report = _run(
         tmp_path, "--workload", "text", "--dataset-path", str(text), *SMALL,
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
+        "--speculative-disable-by-batch-size", "64",
         "--compare-speculative",
     )  # fmt: skip
     assert set(report) == {"plain", "speculative"}

@@ -111,3 +111,35 @@ def test_fairness_one_heavy_request_barely_slows_the_others(
         assert fair[run]["completed"] == 8
         assert fair[run]["failed"] == 0
     assert fair["tpot_ratio"] < 3.0, fair["tpot_ratio"]
+
+
+def test_accept_length_of_a_speculative_server(tmp_path: Path) -> None:
+    """Against a server that speculates, the run's accept length comes from the server's
+    counters around it; a plain server's run has none (``test_completions_all_at_once``
+    checks only the common keys, so it is asserted here)."""
+    from tandem.scheduler.models.tiny import default_model_path
+    from tandem.spec_eagle import write_random_head
+
+    cache = tmp_path / "cache"
+    head = write_random_head(default_model_path(cache_dir=cache), tmp_path / "head")
+    spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head)]
+    with live_server(cache, *spec) as live:
+        result = _run(live, tmp_path, "--max-concurrency", "1")
+    _check(result)
+    assert result["spec_verify_steps"] >= 1
+    assert 1.0 <= result["spec_accept_length"] <= 4.0
+
+
+def test_no_accept_length_without_speculation() -> None:
+    assert bench_serve._accept_length((3, 9), (3, 9)) == {}
+    assert bench_serve._accept_length(None, (4, 10)) == {}
+    assert bench_serve._accept_length((2, 5), (6, 15)) == {
+        "spec_verify_steps": 4,
+        "spec_accept_length": 2.5,
+    }
+
+
+def test_apply_chat_template_is_for_tandem_bench(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench_serve.main(["--base-url", "http://127.0.0.1:1", "--apply-chat-template"])
+    assert info.value.code == 2

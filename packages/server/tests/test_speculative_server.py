@@ -32,6 +32,7 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
         "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "2",
         "--speculative-num-draft-tokens", "6",
+        "--speculative-disable-by-batch-size", "64",  # draft at every batch size
     ]  # fmt: skip
     with live_server(cache, *flags) as live:
         yield live

@@ -53,6 +53,7 @@ def _run(head: Path | None, normal_loop: bool, params: list[dict[str, Any]], **s
     if head is not None:
         options |= {
             "speculative_algorithm": "EAGLE3",
+            "speculative_disable_by_batch_size": 64,  # draft at every batch size
             "speculative_draft_model_path": str(head),
             **spec,
         }

@@ -5,6 +5,8 @@ prefill, retraction and abort; strict accounting and the consume-once checks are
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,9 @@ def _spec(head: Path, steps: int = 3, topk: int = 1, ndt: int = 4) -> dict[str, 
         "speculative_num_steps": steps,
         "speculative_eagle_topk": topk,
         "speculative_num_draft_tokens": ndt,
+        # Draft at every batch size (the CPU's default turns it off from two requests;
+        # test_trained_pair checks that switch).
+        "speculative_disable_by_batch_size": 64,
     }
 
 
@@ -160,7 +165,8 @@ def test_unsupported_requests_are_refused(target: Path, heads: dict[str, Path]) 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"speculative_algorithm": "EAGLE3"}, "speculative_draft_model_path"),
+        # No head path: the built-in head, made for the default model, does not fit.
+        ({"speculative_algorithm": "EAGLE3"}, "the built-in head is for the default model"),
         ({"speculative_num_steps": 3}, "needs speculative_algorithm"),
         (
             {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x",
@@ -216,3 +222,29 @@ def test_tensor_parallel_greedy_equals_non_speculative(
         time.sleep(0.1)
         assert engine.failure is None  # the loop's own strict accounting at idle held
     assert [r["output_ids"] for r in out] == reference
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": 48}, "draft hidden_size 48 differs from the target's 64"),
+        ({"vocab_size": 97}, "draft vocab_size 97 differs from the target's 96"),
+        (
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 4]}},
+            r"names layers outside the target's 0..3",
+        ),
+        (
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}},
+            "needs 3 layers",
+        ),
+    ],
+)
+def test_a_head_that_does_not_fit_is_refused(
+    target: Path, heads: dict[str, Path], tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    head = tmp_path / "head"
+    shutil.copytree(heads["eagle3"], head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        _engine(target, **_spec(head))

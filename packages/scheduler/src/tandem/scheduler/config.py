@@ -128,7 +128,9 @@ class EngineConfig:
             stream would otherwise do every step (an offline Engine option).
         speculative_algorithm: ``EAGLE`` or ``EAGLE3`` (from ``tandem-spec-eagle``)
             turns on speculative decoding; ``None`` decodes one token per step.
-        speculative_draft_model_path: the draft head's checkpoint folder.
+        speculative_draft_model_path: the draft head's checkpoint folder; ``None``:
+            the EAGLE-3 head ``tandem-spec-eagle`` ships for the default model, which
+            the worker refuses for a target of another shape.
         speculative_num_steps: draft forwards per step (depth of the draft tree);
             default 3.
         speculative_eagle_topk: branching of the draft tree; 1 drafts a chain.
@@ -136,6 +138,12 @@ class EngineConfig:
         speculative_num_draft_tokens: tokens the target verifies per step (the root
             plus the drafted nodes); default ``num_steps + 1`` for a chain,
             ``num_steps * topk + 1`` for a tree.
+        speculative_disable_by_batch_size: speculation turns itself off (a step then
+            drafts nothing: the target verifies the last token alone, and the draft
+            only keeps its state) while this many requests or more decode in one step,
+            where verifying several tokens a request costs more than it saves (vLLM's
+            option). ``None``: the worker's default for the device (on the CPU, from
+            measurements in docs/benchmarks.md; never on CUDA).
         debug_futures: the debug invariants, all or none: the FutureMap's consume-once
             checks, strict accounting with the page ledger, and the ``torch``
             backend's decode-stage check. Default: ``TANDEM_DEBUG_FUTURES``.
@@ -212,6 +220,7 @@ class EngineConfig:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_disable_by_batch_size: int | None = None
     debug_futures: bool = _from_env(lambda env: env.debug_futures)
     compile_checks: str = _from_env(lambda env: env.compile_checks)
     host_stream_max_delay_ms: float = _from_env(lambda env: env.host_stream_max_delay_s * 1000)
@@ -359,6 +368,7 @@ class EngineConfig:
             "speculative_num_steps",
             "speculative_eagle_topk",
             "speculative_num_draft_tokens",
+            "speculative_disable_by_batch_size",
         )
         if self.speculative_algorithm is None:
             given = [name for name in spec_options if getattr(self, name) is not None]
@@ -369,11 +379,6 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_algorithm must be a name such as 'EAGLE3', "
                 f"got {self.speculative_algorithm!r}"
-            )
-        if not self.speculative_draft_model_path:
-            raise ValueError(
-                f"speculative_algorithm={self.speculative_algorithm!r} needs "
-                "speculative_draft_model_path (the draft head's folder)"
             )
         if self.enable_mixed_chunk:
             raise ValueError("enable_mixed_chunk cannot be combined with speculative decoding")
@@ -389,6 +394,7 @@ class EngineConfig:
         if self.speculative_num_draft_tokens is None:
             self.speculative_num_draft_tokens = min(most, steps * topk + 1)
         _positive(self, "speculative_num_draft_tokens")
+        _positive_or_none(self, "speculative_disable_by_batch_size")
         ndt = self.speculative_num_draft_tokens
         if not 2 <= ndt <= most:
             raise ValueError(

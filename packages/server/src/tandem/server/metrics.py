@@ -63,6 +63,9 @@ class _EngineCollector(Collector):
             "retracted_requests": ("requests retracted for lack of KV", "retracted_requests"),
             "aborted_requests": ("requests aborted in the scheduler", "aborted_requests"),
             "spec_verify_steps": ("speculative verify steps", "spec_verify_steps"),
+            "spec_committed_tokens": (
+                "tokens committed by speculative verify steps", "spec_committed_tokens",
+            ),
         }  # fmt: skip
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(f"tandem_{name}", doc, value=float(info.get(key) or 0))

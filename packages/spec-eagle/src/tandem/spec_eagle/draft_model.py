@@ -20,6 +20,9 @@ from torch import nn
 from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.models import CausalLM, RotaryEmbedding, apply_rotary
 from tandem.scheduler.models.decoder import MLP, RMSNorm
+from tandem.scheduler.models.packing import PackedLinear
+from tandem.scheduler.models.quant_rows import quantize_int8
+from tandem.scheduler.models.quantized import QuantizedLinear, pack_quantized, quant_kernel
 from tandem.spec_eagle.draft_config import DraftConfig
 
 
@@ -39,14 +42,19 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(in_features, kv_size, bias=bias)
         self.v_proj = nn.Linear(in_features, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv: PackedLinear | None = None  # q, k and v as one product (``quantize_int8``)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out: torch.Tensor = self.o_proj(
             attn.forward(self.layer_id, q, k, v, scale=self.head_dim**-0.5)
@@ -153,6 +161,31 @@ class EagleDraftModel(nn.Module):
             return self.lm_head(self.norm(hidden)).float()
         head = self.lm_head if self.lm_head is not None else self._target[1]
         return head(hidden).float()
+
+    @torch.no_grad()
+    def quantize_int8(self) -> bool:
+        """On the CPU, hold every projection of the head in weight-only int8 (one scale
+        per 32 inputs of a row, x in two 8-bit parts: ``models.quantized``), q/k/v and
+        gate/up each one product. A draft step reads a head's weights for one or a few
+        tokens a request, so its time is their bytes: a quarter of float32's. Only the
+        drafts change, never what is committed (the target verifies every token).
+        Returns whether it did (it needs tandem's CPU kernels loaded, and a head not
+        quantized yet)."""
+        if not isinstance(self.fc, nn.Linear) or self.fc.weight.device.type != "cpu":
+            return False
+        if not quant_kernel():
+            return False
+        for name, module in list(self.named_modules()):
+            if isinstance(module, nn.Linear):
+                parent, _, attr = name.rpartition(".")
+                layer = QuantizedLinear(module.in_features, module.out_features, module.bias)
+                layer.load(quantize_int8(module.weight))
+                setattr(self.get_submodule(parent) if parent else self, attr, layer)
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.qkv = pack_quantized((attn.q_proj, attn.k_proj, attn.v_proj))
+            layer.mlp.pack(column_major=False, onednn=False, forward_threads=1)
+        return True
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (``target = draft + d2t[draft]``)."""

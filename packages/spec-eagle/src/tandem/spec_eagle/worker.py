@@ -6,13 +6,16 @@ FutureMap, draft a tree, verify it in one target forward, accept and publish the
 lengths, move the accepted KV into place (trees only), draft-extend over the committed
 tokens, and stash the bonus and the new draft state. All of it is device work on the
 forward stream with fixed shapes; the host learns the accepted counts one iteration
-later. See docs/guides/speculative-decoding.md, "How a step keeps the overlap".
+later. See docs/guides/speculative-decoding.md, "How a step keeps the overlap". From
+``speculative_disable_by_batch_size`` requests on a step drafts nothing (``depth``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -22,6 +25,7 @@ from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.kv.pools import KVLayout
 from tandem.scheduler.messages import GrammarMasks
+from tandem.scheduler.models import ModelConfig
 from tandem.scheduler.sampling import SamplingBatchInfo, SamplingParams
 from tandem.scheduler.sampling.sampler import filtered_probs
 from tandem.scheduler.speculative.interface import (
@@ -33,14 +37,22 @@ from tandem.scheduler.speculative.interface import (
 from tandem.spec_eagle.accept import Accepted, accept_greedy, accept_sampled
 from tandem.spec_eagle.draft_kv import DraftKVCache
 from tandem.spec_eagle.draft_model import EagleDraftModel, load_draft_model
-from tandem.spec_eagle.tree import Candidates, DraftTree, select_tree
+from tandem.spec_eagle.tree import Candidates, DraftTree, root_only, select_tree
+
+BUILT_IN_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2"
+"""The EAGLE-3 head for the default model, SmolLM2-135M-Instruct, trained by
+``tools/train_eagle.py chat``: used when no ``speculative_draft_model_path`` is given."""
+
+CPU_DISABLE_BY_BATCH_SIZE = 2
+"""``speculative_disable_by_batch_size``'s default on the CPU: a request alone drafts;
+from two on, a step that drafts cost more than one that does not, with the default
+model's head (docs/benchmarks.md, "Speculative decoding on the default model")."""
 
 
 class EagleWorker:
     """EAGLE / EAGLE-3 speculative decoding, chain (topk = 1) or tree (topk > 1)."""
 
     def __init__(self, config: EngineConfig, target: TargetHandle) -> None:
-        assert config.speculative_draft_model_path is not None
         assert config.speculative_num_steps
         assert config.speculative_eagle_topk
         assert config.speculative_num_draft_tokens
@@ -56,13 +68,17 @@ class EagleWorker:
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.max_accept = config.speculative_max_accept
         self.lookahead = config.speculative_lookahead
+        self.disable_by_batch_size = config.speculative_disable_by_batch_size
+        if self.disable_by_batch_size is None and target.device.type == "cpu":
+            self.disable_by_batch_size = CPU_DISABLE_BY_BATCH_SIZE
         self.draft: EagleDraftModel = load_draft_model(
-            config.speculative_draft_model_path,
+            config.speculative_draft_model_path or built_in_head(target.model_config),
             target.model,
             algorithm=config.speculative_algorithm,
             dtype=target.dtype,
             device=target.device,
         )
+        self.draft.quantize_int8()  # on the CPU (see there)
         dc = self.draft.config
         self.algorithm = dc.algorithm
         self.capture_layers: tuple[int, ...] = dc.aux_layers
@@ -110,6 +126,12 @@ class EagleWorker:
         fm.publish(data.sample_rows, data.sample_seq_lens)
 
     # -- one speculative step ------------------------------------------------------------------
+    def depth(self, batch: int) -> int:
+        """Draft tokens per request in a step over ``batch`` requests (the tree's
+        depth): all of ``num_steps``, or none from ``disable_by_batch_size`` on."""
+        limit = self.disable_by_batch_size
+        return 0 if limit is not None and batch >= limit else self.num_steps
+
     def decode(self, data: SpecDecodeInput) -> SpecDecodeOutput:
         fm = self.target.future_map
         rows = data.rows
@@ -121,7 +143,8 @@ class EagleWorker:
         # and no write to it is queued inside the step.
         table = self.target.req_pool.req_to_token.index_select(0, rows)
         table = table[:, : span + self.lookahead].long()
-        tree = self._draft_tree(rows, table, seq_lens, span, root, relay)
+        depth = self.depth(rows.numel())
+        tree = self._draft_tree(rows, table, seq_lens, span, root, relay, depth)
         logits, features = self._verify(table, seq_lens, span, tree)
         if data.grammar is not None:
             _mask_tree(tree, logits, data.grammar)
@@ -131,7 +154,10 @@ class EagleWorker:
         if self.topk > 1:
             self._move_accepted_kv(table, seq_lens, accepted)
         tokens = self._committed_tokens(tree, accepted)
-        hidden, topk_p, topk_index = self._extend(table, seq_lens, span, tokens, features, accepted)
+        # Only the first depth + 1 tokens can be committed: the draft extends over those.
+        hidden, topk_p, topk_index = self._extend(
+            table, seq_lens, span, tokens[:, : depth + 1], features, accepted
+        )
         fm.stash(rows, accepted.bonus, topk_p=topk_p, topk_index=topk_index, hidden_states=hidden)
         return SpecDecodeOutput(tokens=tokens, accept_lens=accepted.num_accepted + 1)
 
@@ -156,7 +182,12 @@ class EagleWorker:
         span: int,
         root: torch.Tensor,
         relay: dict[str, torch.Tensor],
+        depth: int,
     ) -> DraftTree:
+        """The tree of ``depth`` levels below the root: the relay's ``topk`` children,
+        then ``depth - 1`` draft forwards over the beam."""
+        if depth == 0:
+            return root_only(root)
         b, k = rows.numel(), self.topk
         device = rows.device
         beam_tokens = relay["topk_index"]  # [B, k] the root's drafted children
@@ -171,15 +202,15 @@ class EagleWorker:
         seen = torch.zeros(b, k, scratch.shape[1], dtype=torch.bool, device=device)
         prefix = table[:, :span]
         visible_prefix = torch.arange(span, device=device) < seq_lens.unsqueeze(1)  # [B, P]
-        for depth in range(1, self.num_steps):
-            # The beam (k nodes at this depth) runs at draft position L + depth - 1.
+        for level in range(1, depth):
+            # The beam (k nodes at this level) runs at draft position L + level - 1.
             own = torch.zeros(k, scratch.shape[1], dtype=torch.bool, device=device)
-            own[torch.arange(k), (depth - 1) * k + torch.arange(k)] = True
+            own[torch.arange(k), (level - 1) * k + torch.arange(k)] = True
             visible = seen | own
             mask = torch.cat([visible_prefix.unsqueeze(1).expand(b, k, span), visible], dim=2)
-            out_loc = scratch[:, (depth - 1) * k : depth * k].reshape(-1)
+            out_loc = scratch[:, (level - 1) * k : level * k].reshape(-1)
             self.draft_attention.plan_masked(torch.cat([prefix, scratch], dim=1), mask, out_loc)
-            positions = (seq_lens + depth - 1).clamp(max=self.draft.max_position)
+            positions = (seq_lens + level - 1).clamp(max=self.draft.max_position)
             hidden = self.draft(
                 beam_tokens.reshape(-1),
                 beam_hidden.reshape(b * k, -1),
@@ -194,8 +225,8 @@ class EagleWorker:
             tokens.append(child_tokens)
             scores.append(child_scores)
             parents.append(beam_ids.repeat_interleave(k, dim=1))
-            depths.append(torch.full((b, k * k), depth + 1, dtype=torch.int64, device=device))
-            if depth == self.num_steps - 1:
+            depths.append(torch.full((b, k * k), level + 1, dtype=torch.int64, device=device))
+            if level == depth - 1:
                 break
             best = torch.topk(child_scores, k, dim=1).indices  # the next beam
             parent_slot = best // k
@@ -212,7 +243,8 @@ class EagleWorker:
             torch.cat(parents, dim=1),
             torch.cat(depths, dim=1),
         )
-        return select_tree(root, cands, self.num_draft_tokens, self.num_steps)
+        nodes = min(self.num_draft_tokens, 1 + cands.tokens.shape[1])
+        return select_tree(root, cands, nodes, depth)
 
     def _verify(
         self, table: torch.Tensor, seq_lens: torch.Tensor, span: int, tree: DraftTree
@@ -313,11 +345,11 @@ class EagleWorker:
         features: torch.Tensor,
         accepted: Accepted,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft over the committed tokens at positions ``L .. L + max_accept - 1``
+        """Draft over the committed tokens ``[B, G]`` at positions ``L .. L + G - 1``
         (position ``L + j`` reads token ``L + j + 1`` and the target's features at the
-        accepted node of depth ``j``); returns the new draft state of each row. The
-        committed tokens are padded to ``max_accept``: padding writes only past the new
-        length, where nothing reads."""
+        accepted node of depth ``j``); returns the new draft state of each row. ``G`` is
+        the step's depth + 1, and a row's committed tokens are padded to it: padding
+        writes only past the new length, where nothing reads."""
         b, g = tokens.shape
         device = table.device
         width = span + g
@@ -326,7 +358,8 @@ class EagleWorker:
         mask = keys <= query_pos  # causal over the prefix and the committed tokens
         out_loc = self._position_slots(table, seq_lens, g).reshape(-1)
         self.draft_attention.plan_masked(table[:, :width], mask, out_loc)
-        feats = features.gather(1, accepted.path.unsqueeze(2).expand(b, g, features.shape[2]))
+        path = accepted.path[:, :g]
+        feats = features.gather(1, path.unsqueeze(2).expand(b, g, features.shape[2]))
         positions = query_pos.view(b, g).clamp(max=self.draft.max_position)
         hidden = self.draft(
             tokens.reshape(-1),
@@ -400,6 +433,33 @@ def _mask_tree(tree: DraftTree, logits: torch.Tensor, masks: GrammarMasks) -> No
 def _seeded_uniform(seed: int, step: int, trial: int) -> float:
     digest = hashlib.blake2b(f"{seed}:spec:{step}:{trial}".encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def built_in_head(target: ModelConfig) -> str:
+    """The folder of the head ``tandem-spec-eagle`` ships for the default model, when
+    ``target`` has that model's shape; else a ``ValueError`` asking for a head."""
+    config = BUILT_IN_HEAD / "config.json"
+    if not config.is_file():
+        raise ValueError(
+            f"speculative_draft_model_path is needed: this install of tandem-spec-eagle has "
+            f"no built-in head ({BUILT_IN_HEAD}); `python tools/train_eagle.py chat` builds it"
+        )
+    head = json.loads(config.read_text(encoding="utf-8"))
+    fits = (
+        head["hidden_size"] == target.hidden_size
+        and head["vocab_size"] == target.vocab_size
+        and max(head["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) < target.num_hidden_layers
+        and target.num_hidden_layers == head["target_num_hidden_layers"]
+    )
+    if not fits:
+        raise ValueError(
+            "speculative_draft_model_path is needed: the built-in head is for the default "
+            f"model, SmolLM2-135M-Instruct (hidden {head['hidden_size']}, vocabulary "
+            f"{head['vocab_size']}, {head['target_num_hidden_layers']} layers), not this "
+            f"target (hidden {target.hidden_size}, vocabulary {target.vocab_size}, "
+            f"{target.num_hidden_layers} layers)"
+        )
+    return str(BUILT_IN_HEAD)
 
 
 def create_worker(config: EngineConfig, target: TargetHandle) -> EagleWorker:

@@ -43,8 +43,8 @@ class _Plan:
     # [T] index of each new token in the padded [B * Q] layout; None when every request
     # brings exactly Q tokens (decode, verify), so the packed layout is the padded one.
     query_slot: torch.Tensor | None
-    # [B, 1, Q, L] True where a query may attend a key; on the CPU (but for
-    # ``plan_masked``) an additive float mask instead (0 or -inf), in the KV cache's dtype.
+    # [B, 1, Q, L] True where a query may attend a key; on the CPU an additive float
+    # mask instead (0 or -inf), in the KV cache's dtype.
     mask: torch.Tensor
     batch: int
     max_query: int
@@ -209,6 +209,9 @@ class TorchAttention(AttentionBackend):
     ) -> None:
         b, q, _ = masked_shape(kv_slots, mask, out_cache_loc)
         self._stage, self._staged = None, None
+        if mask.device.type == "cpu":
+            # As in ``plan``: additive floats, made once for every layer.
+            mask = _additive_mask(~mask, self.kv_cache.k_buffer(0).dtype)
         # Exactly Q tokens per request: the packed layout is the padded one.
         self._plan = _Plan(out_cache_loc, kv_slots, None, mask.unsqueeze(1), b, q)
 

@@ -51,6 +51,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="ShareGPT-format JSON (--workload sharegpt) or a plain text file (--workload "
         "text: prompts are --random-input-len token windows of it at seeded offsets)",
     )
+    parser.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="--workload sharegpt: send each human turn as a one-turn chat, rendered with "
+        "the model's chat template (tandem bench; tandem bench serve's --endpoint chat "
+        "renders it in the server)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
     parser.add_argument("--random-input-len", type=int, default=256, help="(default: 256)")
     parser.add_argument("--random-output-len", type=int, default=128, help="(default: 128)")
@@ -78,6 +85,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
+    parser.add_argument(
+        "--quantization",
+        help="gguf, int8 or none, as `tandem serve --quantization` (default: the engine's)",
+    )
     add_workload_arguments(parser)
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default: 1)")
     parser.add_argument(
@@ -127,6 +138,11 @@ SPECULATIVE_OPTIONS = (
     ("speculative_num_steps", int, "draft forwards per step"),
     ("speculative_eagle_topk", int, "branching of the draft tree (1: a chain)"),
     ("speculative_num_draft_tokens", int, "tokens verified per step"),
+    (
+        "speculative_disable_by_batch_size",
+        int,
+        "turn speculation off while this many requests or more decode in one step",
+    ),
 )
 
 
@@ -190,6 +206,8 @@ def _sharegpt(args: argparse.Namespace, tokenizer: Any, context: int) -> Workloa
         gpt = next((t["value"] for t in turns if t.get("from") == "gpt"), None)
         if human is None or gpt is None:
             continue
+        if getattr(args, "apply_chat_template", False):
+            human = tokenizer.apply_chat_template([{"role": "user", "content": human}])
         prompt = _encode(tokenizer, human)
         out_len = len(_encode(tokenizer, gpt))
         if not prompt or out_len < 1 or len(prompt) + out_len > context:
@@ -566,6 +584,8 @@ def run(
     }
     if args.max_running_requests is not None:
         options["max_running_requests"] = args.max_running_requests
+    if args.quantization is not None:
+        options["quantization"] = args.quantization
     variants: list[tuple[str | None, dict[str, Any]]] = [(None, spec)]
     if args.compare_overlap:
         variants = [

@@ -253,6 +253,38 @@ async def run_benchmark(
     return list(outputs), time.perf_counter() - start
 
 
+_SPEC_COUNTERS = ("tandem_spec_verify_steps_total", "tandem_spec_committed_tokens_total")
+
+
+async def _spec_counters(client: Any, base_url: str) -> tuple[int, int] | None:
+    """A tandem server's speculative verify steps and committed tokens so far, from its
+    ``/metrics``; None from another server."""
+    try:
+        async with client.get(f"{base_url}/metrics") as response:
+            text = await response.text() if response.status == 200 else ""
+    except Exception:  # noqa: BLE001 - no metrics: not a tandem server
+        return None
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _SPEC_COUNTERS:
+            values[name] = int(float(value))
+    if len(values) != len(_SPEC_COUNTERS):
+        return None
+    return values[_SPEC_COUNTERS[0]], values[_SPEC_COUNTERS[1]]
+
+
+def _accept_length(
+    before: tuple[int, int] | None, after: tuple[int, int] | None
+) -> dict[str, float]:
+    """The run's mean accept length (tokens committed per verify step, bonus included)
+    from the counters around it; nothing when the server does not speculate."""
+    if before is None or after is None or after[0] <= before[0]:
+        return {}
+    steps = after[0] - before[0]
+    return {"spec_verify_steps": steps, "spec_accept_length": (after[1] - before[1]) / steps}
+
+
 # -- fairness -------------------------------------------------------------------------------------
 HEAVY_TOP_LOGPROBS = 20  # OpenAI's most
 
@@ -391,6 +423,7 @@ _ROWS = (
     ("input_throughput", "Input token throughput (tok/s)", "{:.2f}"),
     ("output_throughput", "Output token throughput (tok/s)", "{:.2f}"),
     ("concurrency", "Concurrency", "{:.2f}"),
+    ("spec_accept_length", "Speculative accept length", "{:.2f}"),
     *(
         (f"{stat}_{name}_ms", f"{stat.capitalize()} {label} (ms)", "{:.2f}")
         for name, label in _LATENCIES
@@ -466,7 +499,9 @@ async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
                 parser.exit(1, f"tandem bench serve: error: {exc}\n")
             result = {**fairness["beside"], "fairness": fairness}
         else:
+            before = await _spec_counters(client, base)
             result = calculate_metrics(*await run_benchmark(args, client, model, prompts, work))
+            result.update(_accept_length(before, await _spec_counters(client, base)))
     result.update(
         backend=args.backend,
         endpoint=args.endpoint,
@@ -494,6 +529,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"argument --{name.replace('_', '-')}: must be at least 1")
     if args.workload == "sharegpt" and not args.dataset_path:
         parser.error("argument --dataset-path: required by --workload sharegpt")
+    if args.apply_chat_template:
+        parser.error(
+            "argument --apply-chat-template: tandem bench serve renders chat prompts in the "
+            "server; use --endpoint chat"
+        )
     result = asyncio.run(_main(args, parser))
     if "fairness" in result:
         fair = result["fairness"]
