@@ -274,6 +274,20 @@ async def _spec_counters(client: Any, base_url: str) -> tuple[int, int] | None:
     return values[_SPEC_COUNTERS[0]], values[_SPEC_COUNTERS[1]]
 
 
+async def _settled_counters(client: Any, base_url: str) -> tuple[int, int] | None:
+    """The counters once the server's figures have caught up with the run: a tandem
+    server refreshes them a few times a second, so read until two reads 0.3 s apart
+    agree (at most ten)."""
+    last = await _spec_counters(client, base_url)
+    for _ in range(10):
+        await asyncio.sleep(0.3)
+        now = await _spec_counters(client, base_url)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def _accept_length(
     before: tuple[int, int] | None, after: tuple[int, int] | None
 ) -> dict[str, float]:
@@ -501,7 +515,7 @@ async def _main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         else:
             before = await _spec_counters(client, base)
             result = calculate_metrics(*await run_benchmark(args, client, model, prompts, work))
-            result.update(_accept_length(before, await _spec_counters(client, base)))
+            result.update(_accept_length(before, await _settled_counters(client, base)))
     result.update(
         backend=args.backend,
         endpoint=args.endpoint,
