@@ -21,8 +21,11 @@ from tandem.scheduler.attention import AttentionBackend
 from tandem.scheduler.models import CausalLM, RotaryEmbedding, apply_rotary
 from tandem.scheduler.models.decoder import MLP, RMSNorm
 from tandem.scheduler.models.packing import PackedLinear
-from tandem.scheduler.models.quant_rows import quantize_int8
-from tandem.scheduler.models.quantized import QuantizedLinear, pack_quantized, quant_kernel
+from tandem.scheduler.models.quantized import (
+    pack_quantized,
+    quant_kernel,
+    quantize_layers_int8,
+)
 from tandem.spec_eagle.draft_config import DraftConfig
 
 
@@ -175,12 +178,7 @@ class EagleDraftModel(nn.Module):
             return False
         if not quant_kernel():
             return False
-        for name, module in list(self.named_modules()):
-            if isinstance(module, nn.Linear):
-                parent, _, attr = name.rpartition(".")
-                layer = QuantizedLinear(module.in_features, module.out_features, module.bias)
-                layer.load(quantize_int8(module.weight))
-                setattr(self.get_submodule(parent) if parent else self, attr, layer)
+        quantize_layers_int8(self, every_linear=True)
         for layer in self.layers:
             attn = layer.self_attn
             attn.qkv = pack_quantized((attn.q_proj, attn.k_proj, attn.v_proj))

@@ -141,20 +141,21 @@ def replace_with_quantized(
 
 
 @torch.no_grad()
-def quantize_layers_int8(model: nn.Module, parts: int = 2) -> int:
+def quantize_layers_int8(model: nn.Module, parts: int = 2, *, every_linear: bool = False) -> int:
     """Weight-only int8 (``quant_rows.quantize_int8``: one scale per output channel) for
     every ``nn.Linear`` of the decoder layers, made from their loaded float weights, each
     float weight freed as its codes are made; the embedding and head keep their dtype,
-    as SGLang's and vLLM's weight-only schemes leave them. Returns the layers converted."""
+    as SGLang's and vLLM's weight-only schemes leave them (``every_linear``: every
+    ``nn.Linear`` of ``model``, as a draft head wants). Returns the layers converted."""
     from tandem.scheduler.models.quant_rows import quantize_int8
 
     converted = 0
     for name, old in list(model.named_modules()):
-        if not isinstance(old, nn.Linear) or ".layers." not in f".{name}":
+        if not isinstance(old, nn.Linear) or not (every_linear or ".layers." in f".{name}"):
             continue
         parent_name, _, attr = name.rpartition(".")
         layer = QuantizedLinear(old.in_features, old.out_features, old.bias, parts)
         layer.load(quantize_int8(old.weight))
-        setattr(model.get_submodule(parent_name), attr, layer)
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
         converted += 1
     return converted
