@@ -74,7 +74,7 @@ def test_greedy_equals_non_speculative(
     with _engine(target, disable_overlap_schedule=normal_loop, **options) as engine:
         out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         info = engine.get_server_info()
-        assert engine.scheduler.runner.decode_trace is None  # speculative steps run eagerly
+        assert engine.scheduler.runner.decode_trace.replays == 0  # every step drafted
     assert [r["output_ids"] for r in out] == reference
     for r in out:
         ct = r["meta_info"]["spec_verify_ct"]
@@ -102,7 +102,7 @@ def test_retraction_keeps_outputs(
     with _engine(target, max_total_tokens=96, **options) as engine:
         out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         info = engine.get_server_info()
-        assert engine.scheduler.runner.decode_trace is None  # speculative steps run eagerly
+        assert engine.scheduler.runner.decode_trace.replays == 0  # every step drafted
     assert [r["output_ids"] for r in out] == reference
     assert info["retracted_requests"] > 0
 

@@ -51,30 +51,39 @@ def test_trained_head_accepts_and_stays_exact(
     assert accept > 1.5
 
 
-def test_speculation_turns_off_for_a_large_batch_and_back_on(
-    reference: list[list[int]],
-) -> None:
-    """Requests of 10, 20, 30 and 40 tokens: the batch shrinks from four to one. Below
-    three requests a step drafts, from three on it drafts nothing; the draft's state
-    stays right across the switches (greedy output equal), and fewer drafts are
-    accepted than with speculation always on."""
-    lens = [10, 20, 30, 40]
-    params = [{**GREEDY, "max_new_tokens": n} for n in lens]
-    accept = {}
-    for limit in (3, 100):
-        with Engine(
-            model_path=str(PAIR / "target"),
-            dtype="float32",
-            device="cpu",
-            speculative_algorithm="EAGLE3",
-            speculative_draft_model_path=str(PAIR / "eagle3"),
-            speculative_disable_by_batch_size=limit,
-        ) as engine:
-            out = engine.generate(_prompts(), params)
-            accept[limit] = engine.get_server_info()["avg_spec_accept_length"]
-        want = [ref[:n] for ref, n in zip(reference, lens, strict=True)]
-        assert [r["output_ids"] for r in out] == want
-    assert 1.0 < accept[3] < accept[100]
+def test_speculation_turns_off_for_a_large_batch_and_back_on() -> None:
+    """One request decodes alone, drafting; three more arrive, and from three decoding
+    requests on the steps are plain, replayed by the decode trace: the first request
+    too decodes plainly to its end. A request arriving after them all drafts again.
+    Greedy output equals the target's own throughout."""
+    prompts = _prompts()
+    long = {**GREEDY, "max_new_tokens": 160}
+    target = {"model_path": str(PAIR / "target"), "dtype": "float32", "device": "cpu"}
+    with Engine(**target) as engine:
+        want = [r["output_ids"] for r in engine.generate(prompts, [long] + [GREEDY] * 3)]
+    with Engine(
+        **target,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=str(PAIR / "eagle3"),
+        speculative_disable_by_batch_size=3,
+    ) as engine:
+        stream = engine.generate(prompts[0], long, stream=True)
+        chunks = [next(stream)]
+        joined = engine.generate(prompts[1:], GREEDY)
+        chunks += list(stream)
+        replays = engine.scheduler.runner.decode_trace.replays
+        again = engine.generate(prompts[0], GREEDY)
+        assert engine.scheduler.runner.decode_trace.replays == replays  # it drafted
+    first = [t for chunk in chunks for t in chunk["output_ids"]]
+    assert first == want[0]
+    assert [r["output_ids"] for r in joined] == want[1:]
+    assert again["output_ids"] == want[0][: GREEDY["max_new_tokens"]]
+    # The first request drafted alone; the three that joined never drafted.
+    assert 0 < chunks[-1]["meta_info"]["spec_verify_ct"] < len(first)
+    assert all(r["meta_info"]["spec_verify_ct"] == 0 for r in joined)
+    assert replays > 0
+    verify = again["meta_info"]["spec_verify_ct"]
+    assert 0 < verify < len(again["output_ids"])  # drafts accepted again
 
 
 def test_the_int8_head_drafts_like_the_float_one() -> None:

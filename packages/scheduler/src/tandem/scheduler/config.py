@@ -26,6 +26,10 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "torch")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 MAX_ADMISSION_WINDOW_MS = 1000
+CPU_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 2
+"""``speculative_disable_by_batch_size``'s default on the CPU: a request alone drafts;
+from two on a step that drafts costs more than a plain one saves, with the default
+model's head (docs/benchmarks.md, "Speculative decoding on the default model")."""
 
 
 def _from_env(pick: Callable[[TandemEnv], Any]) -> Any:
@@ -115,7 +119,7 @@ class EngineConfig:
             CPUs with AVX-512; bfloat16 with AVX512-BF16 too).
         disable_decode_trace: run CPU decode forwards eagerly instead of replaying the
             decode trace (the forward recorded once with ``torch.jit.trace``; used with
-            the ``torch`` backend's decode stage, without speculative decoding).
+            the ``torch`` backend's decode stage; plain decode steps only).
         grammar_backend: what constrains structured output (SGLang's option):
             ``xgrammar``, or ``none`` to refuse every constrained request.
         max_stop_strings: the most stop strings one request may carry; more is refused
@@ -138,12 +142,12 @@ class EngineConfig:
         speculative_num_draft_tokens: tokens the target verifies per step (the root
             plus the drafted nodes); default ``num_steps + 1`` for a chain,
             ``num_steps * topk + 1`` for a tree.
-        speculative_disable_by_batch_size: speculation turns itself off (a step then
-            drafts nothing: the target verifies the last token alone, and the draft
-            only keeps its state) while this many requests or more decode in one step,
-            where verifying several tokens a request costs more than it saves (vLLM's
-            option). ``None``: the worker's default for the device (on the CPU, from
-            measurements in docs/benchmarks.md; never on CUDA).
+        speculative_disable_by_batch_size: from this many decoding requests on,
+            decoding is plain (vLLM's option): where verifying several tokens a
+            request costs more than it saves. A request that decodes plainly does so
+            to its end (its draft state is left behind); requests admitted while
+            fewer decode draft again. ``None``: the device's default (on the CPU
+            ``CPU_SPECULATIVE_DISABLE_BY_BATCH_SIZE``, measured; never on GPUs).
         debug_futures: the debug invariants, all or none: the FutureMap's consume-once
             checks, strict accounting with the page ledger, and the ``torch``
             backend's decode-stage check. Default: ``TANDEM_DEBUG_FUTURES``.
@@ -414,6 +418,12 @@ class EngineConfig:
         assert self.speculative_num_steps
         assert self.speculative_num_draft_tokens
         return min(self.speculative_num_steps, self.speculative_num_draft_tokens - 1) + 1
+
+    def speculative_batch_limit(self, device_type: str) -> int | None:
+        """``speculative_disable_by_batch_size``, or the default on ``device_type``."""
+        if not self.speculative or self.speculative_disable_by_batch_size is not None:
+            return self.speculative_disable_by_batch_size
+        return CPU_SPECULATIVE_DISABLE_BY_BATCH_SIZE if device_type == "cpu" else None
 
     @property
     def speculative_lookahead(self) -> int:

@@ -88,11 +88,3 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     for _ in range(max(1, max_depth)):
         mask = mask | mask.gather(1, index)
     return mask
-
-
-def root_only(root: torch.Tensor) -> DraftTree:
-    """The tree of a step that drafts nothing: the root ``[B]`` alone."""
-    b = root.shape[0]
-    zeros = torch.zeros(b, 1, dtype=torch.int64, device=root.device)
-    ones = torch.ones(b, 1, 1, dtype=torch.bool, device=root.device)
-    return DraftTree(root.view(b, 1), zeros, zeros.clone(), ones)

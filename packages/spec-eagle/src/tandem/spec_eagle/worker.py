@@ -6,8 +6,7 @@ FutureMap, draft a tree, verify it in one target forward, accept and publish the
 lengths, move the accepted KV into place (trees only), draft-extend over the committed
 tokens, and stash the bonus and the new draft state. All of it is device work on the
 forward stream with fixed shapes; the host learns the accepted counts one iteration
-later. See docs/guides/speculative-decoding.md, "How a step keeps the overlap". From
-``speculative_disable_by_batch_size`` requests on a step drafts nothing (``depth``).
+later. See docs/guides/speculative-decoding.md, "How a step keeps the overlap".
 """
 
 from __future__ import annotations
@@ -37,16 +36,11 @@ from tandem.scheduler.speculative.interface import (
 from tandem.spec_eagle.accept import Accepted, accept_greedy, accept_sampled
 from tandem.spec_eagle.draft_kv import DraftKVCache
 from tandem.spec_eagle.draft_model import EagleDraftModel, load_draft_model
-from tandem.spec_eagle.tree import Candidates, DraftTree, root_only, select_tree
+from tandem.spec_eagle.tree import Candidates, DraftTree, select_tree
 
 BUILT_IN_HEAD = Path(__file__).resolve().parent / "heads" / "smollm2"
 """The EAGLE-3 head for the default model, SmolLM2-135M-Instruct, trained by
 ``tools/train_eagle.py chat``: used when no ``speculative_draft_model_path`` is given."""
-
-CPU_DISABLE_BY_BATCH_SIZE = 2
-"""``speculative_disable_by_batch_size``'s default on the CPU: a request alone drafts;
-from two on, a step that drafts cost more than one that does not, with the default
-model's head (docs/benchmarks.md, "Speculative decoding on the default model")."""
 
 
 class EagleWorker:
@@ -68,9 +62,6 @@ class EagleWorker:
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.max_accept = config.speculative_max_accept
         self.lookahead = config.speculative_lookahead
-        self.disable_by_batch_size = config.speculative_disable_by_batch_size
-        if self.disable_by_batch_size is None and target.device.type == "cpu":
-            self.disable_by_batch_size = CPU_DISABLE_BY_BATCH_SIZE
         self.draft: EagleDraftModel = load_draft_model(
             config.speculative_draft_model_path or built_in_head(target.model_config),
             target.model,
@@ -126,12 +117,6 @@ class EagleWorker:
         fm.publish(data.sample_rows, data.sample_seq_lens)
 
     # -- one speculative step ------------------------------------------------------------------
-    def depth(self, batch: int) -> int:
-        """Draft tokens per request in a step over ``batch`` requests (the tree's
-        depth): all of ``num_steps``, or none from ``disable_by_batch_size`` on."""
-        limit = self.disable_by_batch_size
-        return 0 if limit is not None and batch >= limit else self.num_steps
-
     def decode(self, data: SpecDecodeInput) -> SpecDecodeOutput:
         fm = self.target.future_map
         rows = data.rows
@@ -143,8 +128,7 @@ class EagleWorker:
         # and no write to it is queued inside the step.
         table = self.target.req_pool.req_to_token.index_select(0, rows)
         table = table[:, : span + self.lookahead].long()
-        depth = self.depth(rows.numel())
-        tree = self._draft_tree(rows, table, seq_lens, span, root, relay, depth)
+        tree = self._draft_tree(rows, table, seq_lens, span, root, relay)
         logits, features = self._verify(table, seq_lens, span, tree)
         if data.grammar is not None:
             _mask_tree(tree, logits, data.grammar)
@@ -154,10 +138,7 @@ class EagleWorker:
         if self.topk > 1:
             self._move_accepted_kv(table, seq_lens, accepted)
         tokens = self._committed_tokens(tree, accepted)
-        # Only the first depth + 1 tokens can be committed: the draft extends over those.
-        hidden, topk_p, topk_index = self._extend(
-            table, seq_lens, span, tokens[:, : depth + 1], features, accepted
-        )
+        hidden, topk_p, topk_index = self._extend(table, seq_lens, span, tokens, features, accepted)
         fm.stash(rows, accepted.bonus, topk_p=topk_p, topk_index=topk_index, hidden_states=hidden)
         return SpecDecodeOutput(tokens=tokens, accept_lens=accepted.num_accepted + 1)
 
@@ -182,12 +163,9 @@ class EagleWorker:
         span: int,
         root: torch.Tensor,
         relay: dict[str, torch.Tensor],
-        depth: int,
     ) -> DraftTree:
-        """The tree of ``depth`` levels below the root: the relay's ``topk`` children,
-        then ``depth - 1`` draft forwards over the beam."""
-        if depth == 0:
-            return root_only(root)
+        """The tree of ``num_steps`` levels below the root: the relay's ``topk``
+        children, then ``num_steps - 1`` draft forwards over the beam."""
         b, k = rows.numel(), self.topk
         device = rows.device
         beam_tokens = relay["topk_index"]  # [B, k] the root's drafted children
@@ -202,7 +180,7 @@ class EagleWorker:
         seen = torch.zeros(b, k, scratch.shape[1], dtype=torch.bool, device=device)
         prefix = table[:, :span]
         visible_prefix = torch.arange(span, device=device) < seq_lens.unsqueeze(1)  # [B, P]
-        for level in range(1, depth):
+        for level in range(1, self.num_steps):
             # The beam (k nodes at this level) runs at draft position L + level - 1.
             own = torch.zeros(k, scratch.shape[1], dtype=torch.bool, device=device)
             own[torch.arange(k), (level - 1) * k + torch.arange(k)] = True
@@ -226,7 +204,7 @@ class EagleWorker:
             scores.append(child_scores)
             parents.append(beam_ids.repeat_interleave(k, dim=1))
             depths.append(torch.full((b, k * k), level + 1, dtype=torch.int64, device=device))
-            if level == depth - 1:
+            if level == self.num_steps - 1:
                 break
             best = torch.topk(child_scores, k, dim=1).indices  # the next beam
             parent_slot = best // k
@@ -243,8 +221,7 @@ class EagleWorker:
             torch.cat(parents, dim=1),
             torch.cat(depths, dim=1),
         )
-        nodes = min(self.num_draft_tokens, 1 + cands.tokens.shape[1])
-        return select_tree(root, cands, nodes, depth)
+        return select_tree(root, cands, self.num_draft_tokens, self.num_steps)
 
     def _verify(
         self, table: torch.Tensor, seq_lens: torch.Tensor, span: int, tree: DraftTree
@@ -345,11 +322,11 @@ class EagleWorker:
         features: torch.Tensor,
         accepted: Accepted,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft over the committed tokens ``[B, G]`` at positions ``L .. L + G - 1``
+        """Draft over the committed tokens at positions ``L .. L + max_accept - 1``
         (position ``L + j`` reads token ``L + j + 1`` and the target's features at the
-        accepted node of depth ``j``); returns the new draft state of each row. ``G`` is
-        the step's depth + 1, and a row's committed tokens are padded to it: padding
-        writes only past the new length, where nothing reads."""
+        accepted node of depth ``j``); returns the new draft state of each row. The
+        committed tokens are padded to ``max_accept``: padding writes only past the new
+        length, where nothing reads."""
         b, g = tokens.shape
         device = table.device
         width = span + g
@@ -358,8 +335,7 @@ class EagleWorker:
         mask = keys <= query_pos  # causal over the prefix and the committed tokens
         out_loc = self._position_slots(table, seq_lens, g).reshape(-1)
         self.draft_attention.plan_masked(table[:, :width], mask, out_loc)
-        path = accepted.path[:, :g]
-        feats = features.gather(1, path.unsqueeze(2).expand(b, g, features.shape[2]))
+        feats = features.gather(1, accepted.path.unsqueeze(2).expand(b, g, features.shape[2]))
         positions = query_pos.view(b, g).clamp(max=self.draft.max_position)
         hidden = self.draft(
             tokens.reshape(-1),

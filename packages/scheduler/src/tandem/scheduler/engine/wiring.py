@@ -235,8 +235,9 @@ def _wire(
         forward_threads=forward_threads,
     )
     scheduler = Scheduler(
-        cfg, runner, eos_ids=eos_ids, context_length=context_length, strict_accounting=debug
-    )
+        cfg, runner, eos_ids=eos_ids, context_length=context_length, strict_accounting=debug,
+        spec_batch_limit=cfg.speculative_batch_limit(device.type),
+    )  # fmt: skip
     if cfg.disaggregation_mode != "null":
         from tandem.scheduler.disagg.side import disaggregate
 
@@ -372,11 +373,11 @@ def _cpu_kernels(
 def _decode_trace(
     cfg: EngineConfig, model: CausalLM, attention: AttentionBackend, device: torch.device
 ) -> DecodeTrace | None:
-    """The CPU decode trace, unless disabled or of no use: it replays the steps that
-    continue a ``torch`` backend's decode stage, which exist on the CPU only, and not
-    the speculative steps; nor a sharded model's (the trace cannot record its
-    collectives)."""
-    if cfg.disable_decode_trace or cfg.speculative or device.type != "cpu" or cfg.tp_size > 1:
+    """The CPU decode trace, unless disabled or of no use: it replays the plain decode
+    steps that continue a ``torch`` backend's decode stage, which exist on the CPU only
+    (a speculative engine's too, once speculation turns off), not speculative steps;
+    nor a sharded model's (the trace cannot record its collectives)."""
+    if cfg.disable_decode_trace or device.type != "cpu" or cfg.tp_size > 1:
         return None
     if not isinstance(attention, TorchAttention) or not attention.decode_stage:
         return None

@@ -184,8 +184,11 @@ class ModelRunner:
             rows_cpu=batch.rows,
         )
         self.attention.plan(fb)
-        # Run the model, then sample and stash the sampling requests' next tokens.
-        hidden, captured = self.driver.forward(fb, self._capture)
+        # Run the model, then sample and stash the sampling requests' next tokens. A
+        # speculative engine's draft reads the target's features after a prefill only:
+        # its plain decode steps capture nothing (and so may be replayed).
+        drafts = self.spec is not None and batch.mode is not ForwardMode.DECODE
+        hidden, captured = self.driver.forward(fb, self._capture if drafts else ())
         next_ids = None
         if batch.sample_indices and sampling is not None:
             last = (
@@ -197,7 +200,7 @@ class ModelRunner:
             result = StepResult(next_token_ids=torch.empty(0, dtype=torch.int64))
         if batch.input_logprob_tokens:
             self._input_logprobs(batch, hidden, result)
-        if self.spec is not None:
+        if drafts:
             features = torch.cat(captured, dim=-1) if captured else hidden
             self._draft_after_prefill(batch, inputs, fb, features, next_ids)
         return result

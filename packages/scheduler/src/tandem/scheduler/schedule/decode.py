@@ -13,7 +13,8 @@ from tandem.scheduler.schedule.spec_policy import SpecPolicy
 
 
 class DecodeManager:
-    """Builds decode batches (or speculative ones) from the running requests."""
+    """Builds decode batches (or speculative ones, as ``SpecPolicy.drafts`` says)
+    from the running requests."""
 
     def __init__(
         self,
@@ -39,10 +40,15 @@ class DecodeManager:
         decodable = self._make_room()
         if decodable is None:
             return None
-        if self.spec is not None:
-            return self.spec.schedule(decodable)
+        spec = self.spec
+        if spec is not None and spec.drafts(decodable):
+            return spec.schedule(decodable)
         batch = ScheduledBatch(ForwardMode.DECODE)
-        return batch if self.add_rows(batch, decodable) else None
+        if not self.add_rows(batch, decodable):
+            return None
+        if spec is not None:
+            spec.decoded_plainly(batch)
+        return batch
 
     def add_rows(self, batch: ScheduledBatch, decodable: list[Request] | None = None) -> bool:
         """Append every decodable request that gets its KV as one decode row (after

@@ -48,7 +48,10 @@ class Scheduler:
         eos_ids: Collection[int],
         context_length: int,
         strict_accounting: bool = False,
+        spec_batch_limit: int | None = None,
     ) -> None:
+        """``spec_batch_limit``: with speculative decoding, decode plainly from this many
+        decoding requests on (``SpecPolicy``); ``None``: never."""
         self.config = config
         self.runner = runner
         self.overlap = not config.disable_overlap_schedule
@@ -71,7 +74,7 @@ class Scheduler:
         spec = None
         if config.speculative:
             accept, lookahead = config.speculative_max_accept, config.speculative_lookahead
-            spec = SpecPolicy(accept, lookahead, res, counters)
+            spec = SpecPolicy(accept, lookahead, res, counters, spec_batch_limit)
         self.spec = spec
         self.release = Release(stages, res, counters, eos_ids, spec)
         self.prefill = PrefillManager(config, stages, res, counters, spec)
@@ -300,6 +303,8 @@ class Scheduler:
                 new = self.spec.commit(req, tokens[k], int(accepted[k]))
             else:
                 new = [tokens[k]]
+                if self.spec is not None and batch.mode is ForwardMode.DECODE:
+                    self.spec.committed_plainly(req)
                 if result.logits is not None:
                     self.recorded_logits.setdefault(req.rid, []).append(result.logits[k])
             updates.append(self.release.receive(req, new, result, k))

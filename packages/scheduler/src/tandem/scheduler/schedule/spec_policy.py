@@ -4,7 +4,8 @@ A speculative step commits 1 to ``max_accept`` tokens and the host learns how ma
 one step late, so ``Request.kv_len`` is an upper bound: launching adds
 ``max_accept``, processing takes back what was not committed (``spec_committed`` is
 the processed truth). docs/concepts/overlap-loop.md explains why a step reserves KV
-``lookahead`` positions past that bound.
+``lookahead`` positions past that bound. From ``batch_limit`` decoding requests on,
+speculation turns off: decoding is plain (``drafts``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,42 @@ from tandem.scheduler.schedule.counters import Counters
 
 
 class SpecPolicy:
-    """Speculative rows, their commits, and the bound they keep on ``kv_len``."""
+    """Speculative rows, their commits, the bound they keep on ``kv_len``, and when
+    speculation turns off."""
 
     def __init__(
-        self, max_accept: int, lookahead: int, resources: Resources, counters: Counters
+        self,
+        max_accept: int,
+        lookahead: int,
+        resources: Resources,
+        counters: Counters,
+        batch_limit: int | None = None,
     ) -> None:
         self.max_accept = max_accept
         self.lookahead = lookahead
         self.resources = resources
         self.counters = counters
+        self.batch_limit = batch_limit
+
+    def drafts(self, decodable: list[Request]) -> bool:
+        """Whether the next decode step over ``decodable`` is speculative: while fewer
+        than ``batch_limit`` requests decode, all of them with a draft state that
+        follows them. Otherwise the step is plain, which leaves the draft behind (it
+        would need the target's features at the positions decoded plainly): that
+        request decodes plainly to its end, and requests admitted later draft again
+        once the batch is small.
+
+        A plain step needs each request's exact length, so no speculative step of
+        theirs may be in flight (``spec_open``). It never is: the decoding requests
+        only grow in number through a prefill step, and both loops process the step
+        before a prefill before they schedule the step after it."""
+        few = self.batch_limit is None or len(decodable) < self.batch_limit
+        if few and all(req.spec_drafts for req in decodable):
+            return True
+        open_steps = [req.rid for req in decodable if req.spec_open]
+        if open_steps:
+            raise RuntimeError(f"a plain step over requests with a step in flight: {open_steps}")
+        return False
 
     def schedule(self, decodable: list[Request]) -> ScheduledBatch | None:
         """One speculative row per decodable request that gets its KV.
@@ -49,7 +77,14 @@ class SpecPolicy:
             req.kv_len = bound + self.max_accept
             req.scheduled_samples += 1  # a step yields at least one token
             req.spec_launched += 1
+            req.spec_open += 1
         return batch if batch.reqs else None
+
+    @staticmethod
+    def decoded_plainly(batch: ScheduledBatch) -> None:
+        """``batch``, a plain decode step, leaves its requests' draft state behind."""
+        for req in batch.reqs:
+            req.spec_drafts = False
 
     def prefilled(self, batch: ScheduledBatch, req: Request, end: int) -> None:
         """A prefill chunk ending at ``end``: the draft reads the chunk shifted by one,
@@ -64,10 +99,16 @@ class SpecPolicy:
         req.spec_verify_ct += 1
         req.spec_committed += accepted
         req.kv_len -= self.max_accept - accepted
+        req.spec_open -= 1
         req.scheduled_samples += accepted - 1
         self.counters.spec_verify_steps += 1
         self.counters.spec_committed_tokens += accepted
         return tokens[:accepted]
+
+    @staticmethod
+    def committed_plainly(req: Request) -> None:
+        """A processed plain decode step committed one token."""
+        req.spec_committed += 1
 
     @staticmethod
     def truth(req: Request) -> None:

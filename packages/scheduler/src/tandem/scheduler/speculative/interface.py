@@ -120,7 +120,9 @@ class SpeculativeWorker(Protocol):
       positions below ``bound + lookahead`` before launching it;
     * after a target prefill that completes a prompt, ``extend_after_prefill`` drafts
       over it and stashes the relay fields the next step resolves; the prefill's
-      sampled token is the first bonus token.
+      sampled token is the first bonus token;
+    * a plain decode step (a request's draft state left behind, ``SpecPolicy``) is
+      the runner's: the worker is not called, and that request drafts no more.
     """
 
     relay_fields: tuple[RelayField, ...]
