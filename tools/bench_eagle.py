@@ -13,6 +13,9 @@ server without speculation, on the head's held-out chat prompts.
    saw in training, written by ``tools/train_eagle.py smollm2``), ``max(16, 2 x C)`` of
    them, shuffled by a seed of the round; each answer is as long as the target's own
    greedy answer (greedy, ``ignore_eos``), so every server makes the same tokens.
+   ``--configs`` may add ``llamacpp``: llama.cpp's ``llama-server`` (built by
+   ``tools/llamacpp_build.py``) on the same GGUF file, its chat template run by
+   ``--jinja``, measured by the same client beside tandem.
 3. One JSON file: the command, the machine, the versions, each server's command, and per
    concurrency each configuration's median round (output tokens/s, accept length,
    latencies), every round's throughput, and the speedup over ``plain``.
@@ -29,12 +32,14 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import bench_vllm_cpu as peers  # the sibling script: servers, machine, versions
+import llamacpp_build
 from bench_vllm_cpu import Failure, Server, log
 
 from tandem.server.bench.offline import median_run
@@ -57,9 +62,13 @@ CONFIGS: dict[str, list[str]] = {
     ],
 }  # fmt: skip
 FIGURES = (*peers.FIGURES, "spec_accept_length", "spec_verify_steps")
+LLAMACPP = "llamacpp"  # the peer: llama.cpp's server on the same GGUF file
+LLAMACPP_CONTEXT = 4096  # per slot: a held-out prompt and its answer, with room
 
 
 def server(args: argparse.Namespace, config: str, port: int) -> Server:
+    if config == LLAMACPP:
+        return llamacpp_server(args, port)
     command = [
         sys.executable, "-m", "tandem.server.cli", "serve", "--device", "cpu",
         "--host", peers.HOST, "--port", str(port), *CONFIGS[config], *args.tandem_arg,
@@ -67,13 +76,30 @@ def server(args: argparse.Namespace, config: str, port: int) -> Server:
     return Server(config, command, {}, args.work_dir / f"{args.tag}-{config}.log")
 
 
+def llamacpp_server(args: argparse.Namespace, port: int) -> Server:
+    """llama-server on the default model's GGUF file: one slot per request in flight at
+    the highest concurrency, every usable core, the file's chat template."""
+    slots = max(args.concurrency)
+    binary = args.llama.binary("llama-server")
+    command = [
+        str(binary), "--model", str(args.checkpoint.path), "--jinja",
+        "--host", peers.HOST, "--port", str(port),
+        "--threads", str(len(os.sched_getaffinity(0))),
+        "--parallel", str(slots), "--ctx-size", str(slots * LLAMACPP_CONTEXT),
+    ]  # fmt: skip
+    return Server(LLAMACPP, command, {}, args.work_dir / f"{args.tag}-{LLAMACPP}.log")
+
+
 def num_prompts(concurrency: int) -> int:
     return max(16, 2 * concurrency)
 
 
-def bench_serve(url: str, concurrency: int, prompts: int, seed: int, out: Path) -> dict[str, Any]:
+def bench_serve(
+    url: str, concurrency: int, prompts: int, seed: int, out: Path, tokenizer: Path
+) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "tandem.server.cli", "bench", "serve", "--base-url", url,
+        "--tokenizer-path", str(tokenizer),
         "--endpoint", "chat", "--workload", "sharegpt", "--dataset-path", str(HELDOUT),
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
         "--seed", str(seed), "--output-json", str(out),
@@ -87,6 +113,19 @@ def bench_serve(url: str, concurrency: int, prompts: int, seed: int, out: Path) 
     return dict(json.loads(out.read_text()))
 
 
+def warm_up(args: argparse.Namespace, srv: Server, url: str) -> None:
+    """One request alone, then the largest batch (a speculating server's first plain
+    steps record its decode trace, as the plain server's first steps do), on other
+    seeds than the timed runs."""
+    top = max(args.concurrency)
+    for concurrency, prompts in ((1, 2), (top, top)):
+        bench_serve(
+            url, concurrency, prompts, seed=7 + concurrency,
+            out=args.work_dir / f"{args.tag}-{srv.name}-warm-c{concurrency}.json",
+            tokenizer=args.checkpoint.tokenizer,
+        )  # fmt: skip
+
+
 def timed_run(
     args: argparse.Namespace, srv: Server, url: str, concurrency: int, round_: int
 ) -> dict[str, Any]:
@@ -95,6 +134,7 @@ def timed_run(
     raw = bench_serve(
         url, concurrency, prompts, seed=1000 + concurrency + 10_000 * round_,
         out=args.work_dir / f"{args.tag}-{srv.name}-c{concurrency}-r{round_}.json",
+        tokenizer=args.checkpoint.tokenizer,
     )  # fmt: skip
     row = {key: raw.get(key) for key in FIGURES}
     if row["failed"] or row["completed"] != prompts:
@@ -143,9 +183,14 @@ def record(
         row: dict[str, Any] = {"concurrency": c, "num_prompts": num_prompts(c)}
         for name in results:
             row[name] = results[name][c]
-            if plain and name != "plain":
+            if plain and name not in ("plain", LLAMACPP):
                 row[f"{name}_speedup"] = (
                     results[name][c]["output_throughput"] / plain["output_throughput"]
+                )
+            peer = results.get(LLAMACPP, {}).get(c)
+            if peer and name != LLAMACPP:
+                row[f"{name}_vs_llamacpp"] = (
+                    results[name][c]["output_throughput"] / peer["output_throughput"]
                 )
         levels.append(row)
     return {
@@ -154,7 +199,10 @@ def record(
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": peers._recorded_command(argv, __file__),
         "machine": peers.machine(),
-        "versions": peers.tandem_versions(),
+        "versions": {
+            **peers.tandem_versions(),
+            **({"llamacpp": args.llama.record()} if args.llama is not None else {}),
+        },
         "workload": {
             "prompts": HELDOUT.relative_to(ROOT).as_posix(),
             "endpoint": "chat",
@@ -173,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=[*CONFIGS, LLAMACPP], default=list(CONFIGS))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 32])
     parser.add_argument("--repeats", type=int, default=3, help="rounds per level (default: 3)")
     parser.add_argument(
@@ -186,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-json", type=Path, help="write the record here")
     parser.add_argument("--work-dir", type=Path, default=WORK_DIR)
     parser.add_argument("--tag", default="eagle3", help="log and raw-file name prefix")
+    llamacpp_build.add_arguments(parser)
     return parser
 
 
@@ -195,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     if not HELDOUT.is_file():
         raise SystemExit(f"{HELDOUT} is missing: run `python tools/train_eagle.py smollm2`")
     servers: dict[str, tuple[Server, str]] = {}
+    args.checkpoint = peers.checkpoint_for("smollm2", None)  # the client's tokenizer
+    args.llama = None
+    if LLAMACPP in args.configs:
+        args.llama = llamacpp_build.resolve_build(args.llama_bin_dir, args.llama_dir)
     try:
         for name in args.configs:
             port = peers._free_port()
@@ -204,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             srv.launch()
         for srv, url in servers.values():
             srv.wait_ready(url, args.startup_timeout)
-            bench_serve(url, 1, 2, seed=7, out=args.work_dir / f"{args.tag}-{srv.name}-warm.json")
+            warm_up(args, srv, url)
         results = run_rounds(args, servers)
     except Failure as exc:
         log(f"failed: {exc}")
@@ -221,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {args.output_json}")
     for level in out["levels"]:
         parts = [f"{name} {level[name]['output_throughput']:.1f}" for name in args.configs] + [
-            f"{k} {v:.2f}x" for k, v in level.items() if k.endswith("_speedup")
+            f"{k} {v:.2f}x" for k, v in level.items() if k.endswith(("_speedup", "_vs_llamacpp"))
         ]
         log(f"concurrency {level['concurrency']}: " + ", ".join(parts))
     return 0
