@@ -93,3 +93,16 @@ def test_greedy_constrained_equals_plain_constrained(
 def test_sampled_constrained_outputs_are_valid(head: Path, seed: int) -> None:
     spec = {"speculative_num_steps": 3, "speculative_eagle_topk": 2}
     _check(_run(head, False, _params(1.0, seed), **spec))
+
+
+@pytest.mark.parametrize("normal_loop", [False, True])
+def test_constrained_requests_decode_plainly_over_the_limit(head: Path, normal_loop: bool) -> None:
+    """Three requests at the CPU's default limit (2): every decode step is plain, its
+    masks written by the plain path, and greedy output equals plain constrained."""
+    params = _params(0.0, None)
+    speculative = _run(head, normal_loop, params, speculative_disable_by_batch_size=2)
+    _check(speculative)
+    assert all(o["meta_info"]["spec_verify_ct"] == 0 for o in speculative)
+    plain = _run(None, normal_loop, params)
+    assert [o["output_ids"] for o in speculative] == [o["output_ids"] for o in plain]
+    _check(_run(head, normal_loop, _params(1.0, 5), speculative_disable_by_batch_size=2))
