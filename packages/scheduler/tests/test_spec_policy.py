@@ -40,7 +40,7 @@ def test_a_plain_step_never_follows_a_speculative_one_in_flight() -> None:
     """The length a plain step starts from must be known: with a speculative step in
     flight it is only a bound, so that batch is refused loudly, not decoded wrongly."""
     reqs = _requests(3)
-    reqs[1].spec_open = 1
+    reqs[1].spec_launched = 1  # launched, not yet processed
     with pytest.raises(RuntimeError, match="r1"):
         _policy(3).drafts(reqs)
 

@@ -61,8 +61,8 @@ class Request:
     step late: ``kv_len`` is then an upper bound (each launched step adds the most it
     can commit, processing takes back what it did not), ``spec_committed`` the
     processed truth, ``spec_verify_ct`` the steps processed, ``spec_launched`` the
-    steps launched, ``spec_open`` the drafting steps launched and not yet processed
-    (while there is one, ``kv_len`` is only a bound). ``spec_drafts`` says whether the
+    steps launched (so ``spec_launched - spec_verify_ct`` are in flight, and while any
+    is, ``kv_len`` is only a bound). ``spec_drafts`` says whether the
     draft's state still follows the request: a plain decode step ends that until the
     request is prefilled again (``schedule.spec_policy``).
 
@@ -109,7 +109,6 @@ class Request:
     spec_committed: int = 0
     spec_verify_ct: int = 0
     spec_launched: int = 0
-    spec_open: int = 0
     spec_drafts: bool = True
     # Its prefill server's bootstrap address and room (``disagg.Bootstrap``) when it is
     # half of a disaggregated request; None otherwise.

@@ -180,15 +180,15 @@ class EagleWorker:
         seen = torch.zeros(b, k, scratch.shape[1], dtype=torch.bool, device=device)
         prefix = table[:, :span]
         visible_prefix = torch.arange(span, device=device) < seq_lens.unsqueeze(1)  # [B, P]
-        for level in range(1, self.num_steps):
-            # The beam (k nodes at this level) runs at draft position L + level - 1.
+        for depth in range(1, self.num_steps):
+            # The beam (k nodes at this depth) runs at draft position L + depth - 1.
             own = torch.zeros(k, scratch.shape[1], dtype=torch.bool, device=device)
-            own[torch.arange(k), (level - 1) * k + torch.arange(k)] = True
+            own[torch.arange(k), (depth - 1) * k + torch.arange(k)] = True
             visible = seen | own
             mask = torch.cat([visible_prefix.unsqueeze(1).expand(b, k, span), visible], dim=2)
-            out_loc = scratch[:, (level - 1) * k : level * k].reshape(-1)
+            out_loc = scratch[:, (depth - 1) * k : depth * k].reshape(-1)
             self.draft_attention.plan_masked(torch.cat([prefix, scratch], dim=1), mask, out_loc)
-            positions = (seq_lens + level - 1).clamp(max=self.draft.max_position)
+            positions = (seq_lens + depth - 1).clamp(max=self.draft.max_position)
             hidden = self.draft(
                 beam_tokens.reshape(-1),
                 beam_hidden.reshape(b * k, -1),
@@ -203,8 +203,8 @@ class EagleWorker:
             tokens.append(child_tokens)
             scores.append(child_scores)
             parents.append(beam_ids.repeat_interleave(k, dim=1))
-            depths.append(torch.full((b, k * k), level + 1, dtype=torch.int64, device=device))
-            if level == self.num_steps - 1:
+            depths.append(torch.full((b, k * k), depth + 1, dtype=torch.int64, device=device))
+            if depth == self.num_steps - 1:
                 break
             best = torch.topk(child_scores, k, dim=1).indices  # the next beam
             parent_slot = best // k

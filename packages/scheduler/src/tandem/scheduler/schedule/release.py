@@ -160,7 +160,6 @@ class Release:
         req.fill_ids = req.prompt_ids + req.output_ids
         req.kv_len = 0
         req.spec_committed = 0
-        req.spec_open = 0
         req.spec_drafts = True  # its prefill drafts over every token again
         req.scheduled_samples = len(req.output_ids)
         self.stages.waiting.appendleft(req)

@@ -44,13 +44,13 @@ class SpecPolicy:
         once the batch is small.
 
         A plain step needs each request's exact length, so no speculative step of
-        theirs may be in flight (``spec_open``). It never is: the decoding requests
+        theirs may be in flight (launched, not yet processed). It never is: the decoding requests
         only grow in number through a prefill step, and both loops process the step
         before a prefill before they schedule the step after it."""
         few = self.batch_limit is None or len(decodable) < self.batch_limit
         if few and all(req.spec_drafts for req in decodable):
             return True
-        open_steps = [req.rid for req in decodable if req.spec_open]
+        open_steps = [req.rid for req in decodable if req.spec_launched > req.spec_verify_ct]
         if open_steps:
             raise RuntimeError(f"a plain step over requests with a step in flight: {open_steps}")
         return False
@@ -77,7 +77,6 @@ class SpecPolicy:
             req.kv_len = bound + self.max_accept
             req.scheduled_samples += 1  # a step yields at least one token
             req.spec_launched += 1
-            req.spec_open += 1
         return batch if batch.reqs else None
 
     @staticmethod
@@ -99,7 +98,6 @@ class SpecPolicy:
         req.spec_verify_ct += 1
         req.spec_committed += accepted
         req.kv_len -= self.max_accept - accepted
-        req.spec_open -= 1
         req.scheduled_samples += accepted - 1
         self.counters.spec_verify_steps += 1
         self.counters.spec_committed_tokens += accepted

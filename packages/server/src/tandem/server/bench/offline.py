@@ -206,7 +206,7 @@ def _sharegpt(args: argparse.Namespace, tokenizer: Any, context: int) -> Workloa
         gpt = next((t["value"] for t in turns if t.get("from") == "gpt"), None)
         if human is None or gpt is None:
             continue
-        if getattr(args, "apply_chat_template", False):
+        if args.apply_chat_template:
             human = tokenizer.apply_chat_template([{"role": "user", "content": human}])
         prompt = _encode(tokenizer, human)
         out_len = len(_encode(tokenizer, gpt))
