@@ -15,7 +15,8 @@ tandem is scored twice on the same file and text:
   those positions scored (its prompt logprobs from position N/2 + 1); so the two
   figures differ only by the engines' arithmetic (tandem multiplies the file's blocks
   with activations in two 8-bit parts, its default on a CPU; llama.cpp multiplies them
-  with activations quantized to 8 bits, and keeps its KV cache in float16);
+  with activations quantized to 8 bits, and keeps its KV cache in float16; with
+  ``--cpu-int8-activations`` tandem rounds them to one 8-bit part as well);
 - **``tandem bench perplexity``** with ``--window N --stride N --max-tokens K x N``: the
   same K chunks of its own tokens of the text, each scored from its second token on
   (N - 1 tokens a chunk, the early ones with little context, so a higher figure).
@@ -27,6 +28,8 @@ json``), rendered by ``docs/hooks/bench_figures.py``.
         --output-json benchmarks/results/cpu/perplexity-llamacpp-smollm2-q4_1.json
     python tools/perplexity_vs_llamacpp.py --context 1024 --chunks 4 --llama-bin-dir DIR
     python tools/perplexity_vs_llamacpp.py --model smollm2-q8_0
+    python tools/perplexity_vs_llamacpp.py --cpu-int8-activations --output-json \
+        benchmarks/results/cpu/perplexity-llamacpp-smollm2-q4_1-int8-activations.json
 
 ``--model`` picks the GGUF file as ``tools/bench_vllm_cpu.py`` does: tandem's default
 model (Q4_1), or that file requantized to Q8_0 by ``llama-quantize``.
@@ -154,7 +157,12 @@ def llama_tokens(args: argparse.Namespace, binary: Path, gguf: Path, text: str) 
 
 
 def tandem_same_tokens(
-    gguf: Path, dtype: str, pieces: list[list[int]], context: int, text: str
+    gguf: Path,
+    dtype: str,
+    pieces: list[list[int]],
+    context: int,
+    text: str,
+    int8_activations: bool = False,
 ) -> tuple[Estimate, list[int]]:
     """tandem's estimate on ``pieces``, llama-perplexity's positions scored, and the
     engine's own tokens of ``text`` as ``tandem bench perplexity`` reads it (for the
@@ -162,7 +170,7 @@ def tandem_same_tokens(
     from tandem.scheduler import Engine
     from tandem.server.bench.perplexity import engine_scorer
 
-    engine = Engine(str(gguf), dtype=dtype, device="cpu")
+    engine = Engine(str(gguf), dtype=dtype, device="cpu", cpu_int8_activations=int8_activations)
     try:
         if engine.tokenizer is None:
             raise bench.Failure(f"tandem finds no tokenizer in {gguf}")
@@ -189,6 +197,8 @@ def tandem_bench_perplexity(
         "--dtype", args.dtype, "--window", str(n), "--stride", str(n),
         "--max-tokens", str(n * args.chunks), "--json",
     ]  # fmt: skip
+    if args.cpu_int8_activations:
+        command.append("--cpu-int8-activations")
     log("$ " + " ".join(command))
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -235,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "bfloat16"),
         default="float32",
         help="tandem's activations, and its weights where dequantized (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cpu-int8-activations",
+        action="store_true",
+        help="tandem's quantized products round x to one 8-bit part, as llama.cpp does",
     )
     parser.add_argument("--output-json", type=Path, help="write the record here")
     parser.add_argument(
@@ -309,7 +324,7 @@ def measure(
 
     tokens = llama_tokens(args, llama.binary("llama-server"), gguf, text)
     pieces = chunks(tokens, n, k)
-    same, own = tandem_same_tokens(gguf, args.dtype, pieces, n, text)
+    same, own = tandem_same_tokens(gguf, args.dtype, pieces, n, text, args.cpu_int8_activations)
     if same.tokens != llama_estimate.tokens:
         raise bench.Failure(
             f"tandem scored {same.tokens} tokens, llama.cpp {llama_estimate.tokens}"
@@ -339,7 +354,10 @@ def measure(
         "versions": {**bench.tandem_versions(), "llamacpp": llama.source},
         "engines": {
             "llamacpp": {"command": llama_shown, "build": llama.record()},
-            "tandem": {"command": shown_command(cli_command, gguf, text_path, None)},
+            "tandem": {
+                "command": shown_command(cli_command, gguf, text_path, None),
+                "options": {"cpu_int8_activations": args.cpu_int8_activations},
+            },
         },
         "results": {
             "llamacpp": llama_estimate.record(),

@@ -1500,9 +1500,16 @@ class PerplexityResult:
         return self.tandem["perplexity"] / self.llamacpp["perplexity"]
 
     @property
+    def one_part(self) -> bool:
+        """Whether tandem's quantized products rounded x to one 8-bit part."""
+        options = self.engines["tandem"].get("options")
+        return isinstance(options, dict) and options.get("cpu_int8_activations") is True
+
+    @property
     def label(self) -> str:
         weights = f" {self.weights}" if self.weights else ""
-        return f"{self.model}{weights}, tandem in {self.dtype}"
+        parts = ", x in one 8-bit part" if self.one_part else ""
+        return f"{self.model}{weights}, tandem in {self.dtype}{parts}"
 
 
 def _ppl_estimate(check: _Checker, results: dict[str, Any], key: str) -> dict[str, float]:
@@ -1581,7 +1588,9 @@ def _ppl_table(results: list[Result]) -> str:
         same = p.text.get("same_tokens_in_chunks")
         rows.append(
             [
-                p.model + (f" {p.weights}" if p.weights else ""),
+                p.model
+                + (f" {p.weights}" if p.weights else "")
+                + (" (x in one 8-bit part)" if p.one_part else ""),
                 p.dtype,
                 f"`{p.text['file']}`",
                 f"{p.chunks} x {p.context}",

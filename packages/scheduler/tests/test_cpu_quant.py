@@ -13,7 +13,8 @@ sums' order differs: within 1e-5 of ``|x| @ |w|.T + |bias| + |residual|`` (float
 rounding of a few hundred terms, with margin). The int8 path (AVX512-VNNI) rounds x per
 block to two 8-bit parts (an error of at most ``max|x| / 32,512`` per input, twice the
 rounding's), or with ``parts=1`` to one, as llama.cpp does (``max|x| / 254``), and that
-error times ``|scale * code|`` is added to the bound; offsets multiply x's exact sums."""
+error times ``|w|`` is added to the bound: the product is the weight's with x as rounded,
+offsets included (they multiply the rounded x's sums)."""
 
 from __future__ import annotations
 
@@ -90,8 +91,7 @@ def _check(
         unit = 254 if panels.parts == 1 else 127 * 256
         step = x.view(tokens, -1, weight.block).abs().amax(dim=2, keepdim=True) / unit
         rounding = step.expand(-1, -1, weight.block).reshape(tokens, cols).double()
-        coded = weight.codes.double() * weight.scales.double().repeat_interleave(weight.block, 1)
-        scale = scale + rounding @ coded.abs().T
+        scale = scale + rounding @ dense.abs().T
     assert got.shape == (tokens, rows)
     assert got.dtype == torch.float32
     excess = (got.double() - want).abs() - scale - 1e-12
@@ -169,6 +169,39 @@ def test_x_in_one_8_bit_part_as_llama_cpp_rounds_it(tokens: int, kind: str) -> N
     if panels.layout is Layout.INT8:  # the float path ignores parts: exact either way
         x = torch.randn(tokens, 96)
         assert not torch.equal(panels(x), to_quant_panels(weight)(x))
+
+
+def _rounded(x: torch.Tensor, block: int, parts: int) -> torch.Tensor:
+    """x as the int8 path rounds it, block by block, in the kernel's float32 steps: the
+    scale ``max|x| / 127``, the whole units to nearest (ties to even), with two parts the
+    rest in 256ths of a unit (clamped to 127), then ``scale * (whole + rest / 256)``."""
+    blocks = x.view(x.shape[0], -1, block)
+    scale = blocks.abs().amax(dim=2, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    units = blocks * inverse
+    whole = torch.round(units)
+    rest = torch.round((units - whole) * 256).clamp(-127, 127) if parts == 2 else 0 * whole
+    return (scale.double() * (whole.double() + rest.double() / 256)).view_as(x)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("kind", ["u4", "i8"])
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_the_product_is_the_weights_times_x_as_rounded(parts: int, kind: str, tokens: int) -> None:
+    """Offsets too multiply x as rounded, not x itself: the rounding errors then meet
+    the weights, of either sign, rather than the codes' steps above the offset, all of
+    one sign, which add them up (the perplexity with one part: docs/benchmarks.md)."""
+    if not QUANT:
+        return
+    weight = _rows(kind, 130, 96, 32, seed=tokens + parts)
+    panels = to_quant_panels(weight, parts=parts)
+    x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens)) + 0.5
+    # The float path multiplies x itself (``parts`` is the int8 path's).
+    rounded = _rounded(x, 32, parts) if panels.layout is Layout.INT8 else x.double()
+    dense = weight.dequantize().double()
+    want = rounded @ dense.T
+    bound = RELATIVE * (rounded.abs() @ dense.abs().T) + 1e-12
+    assert ((panels(x).double() - want).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 70])

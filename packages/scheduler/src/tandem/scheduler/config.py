@@ -67,7 +67,8 @@ class EngineConfig:
         cpu_int8_activations: with AVX512-VNNI, the quantized products round x to 8
             bits per block, as llama.cpp does, instead of two 8-bit parts (1 / 65,000
             of each block's largest value): half their work, about twice the speed of
-            a batch of 8 or more, and the default model's perplexity 1.4 % higher.
+            a batch of 8 or more, and the default model's perplexity a few tenths of a
+            percent higher.
         random_seed: seed of dummy weights and of sampling for requests without a seed.
         context_length: longest sequence (prompt + output); default: the model's
             ``max_position_embeddings``.

@@ -311,40 +311,33 @@ void run_item(const float* x, const float* xsum, int64_t K, int64_t N, const Cod
 // weight's: x = scale * (q + r / 256) up to scale / 512, q = round(x / scale) and r the
 // rounded rest in units of scale / 256 (an error of 1 / 65,000 of the block's largest
 // |x|). With `parts` 1, x is q alone, as llama.cpp rounds its activations: half the dot
-// products, and the real model's perplexity 1.4 % higher (docs/benchmarks.md). A code row holds,
-// for each of the 48 columns, four bytes side by side: 4-bit codes of inputs 8j..8j+3
+// products, and a slightly higher perplexity (docs/benchmarks.md). A code row holds, for
+// each of the 48 columns, four bytes side by side: 4-bit codes of inputs 8j..8j+3
 // in their low nibbles and 8j+4..8j+7 in their high ones, or 8-bit codes of inputs
 // 4j..4j+3 plus 128 (vpdpbusd multiplies unsigned bytes by signed ones; the 128 times
 // the block's sum of x's parts is taken off again, exactly, in integers).
 constexpr int64_t kRow = kPanel * 4;  // bytes of a code row
 
-// x's rows in two 8-bit parts, and per block the scale, the float sum of x (what an
-// offset multiplies) and the parts' sum, 256 q + r (what the +128 adds).
+// x's rows in two 8-bit parts, and per block the scale and the parts' sum, 256 q + r
+// (what an offset multiplies, and what the +128 adds).
 struct Quantized {
   std::vector<int8_t> q, r;
-  std::vector<float> scale, sum;
+  std::vector<float> scale;
   std::vector<int32_t> qsum;
 };
 
 // One block of x (at, `block` values) into its parts at q and r; returns its scale, and
-// its float sum and its parts' sum through `sum` and `qsum`.
+// its parts' sum through `qsum`.
 inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q, int8_t* r,
-                            float& sum, int32_t& qsum) {
+                            int32_t& qsum) {
   float amax = 0.f;
-  sum = 0.f;
   int64_t k = 0;
-  __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+  __m512 vmax = _mm512_setzero_ps();
   for (; k + 16 <= block; k += 16) {
-    const __m512 v = _mm512_loadu_ps(at + k);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-    vsum = _mm512_add_ps(vsum, v);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(at + k)));
   }
   amax = _mm512_reduce_max_ps(vmax);
-  sum = _mm512_reduce_add_ps(vsum);
-  for (int64_t t = k; t < block; ++t) {
-    amax = std::max(amax, std::abs(at[t]));
-    sum += at[t];
-  }
+  for (int64_t t = k; t < block; ++t) amax = std::max(amax, std::abs(at[t]));
   const float scale = amax / 127.f;
   const float inverse = amax > 0.f ? 1.f / scale : 0.f;
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -376,15 +369,19 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
 Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block, bool two) {
   const int64_t groups = M * (K / block);
   Quantized out{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K),
-                std::vector<float>(groups), std::vector<float>(groups),
-                std::vector<int32_t>(groups)};
-  // Rows in parallel where there are enough of them to repay the threads' start.
-  at::parallel_for(0, groups, M >= 8 ? (K / block) * 4 : groups, [&](int64_t g0, int64_t g1) {
+                std::vector<float>(groups), std::vector<int32_t>(groups)};
+  const auto run = [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       out.scale[g] = quantize_block(x + g * block, block, two, out.q.data() + g * block,
-                                    out.r.data() + g * block, out.sum[g], out.qsum[g]);
+                                    out.r.data() + g * block, out.qsum[g]);
     }
-  });
+  };
+  // Rows in parallel where there are enough of them to repay the threads' start.
+  if (M >= 8) {
+    at::parallel_for(0, groups, (K / block) * 4, run);
+  } else {
+    run(0, groups);
+  }
   return out;
 }
 
@@ -437,7 +434,13 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
         if constexpr (!U4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xq.qsum[g]));
         const F step = _mm512_mul_ps(scale, Vec::set1(xq.scale[g] / 256.f));
         acc[m][v] = Vec::fma(step, _mm512_cvtepi32_ps(s), acc[m][v]);
-        if constexpr (U4) acc[m][v] = Vec::fma(offset, Vec::set1(xq.sum[g]), acc[m][v]);
+        // The offset times the sum of x as rounded, scale * (256 q + r) / 256, which
+        // the codes' term multiplies too: the rounding errors then meet the weights, of
+        // either sign, not the codes' steps above the offset, all of one sign, which
+        // add them up (the perplexity with one part: docs/benchmarks.md).
+        if constexpr (U4) {
+          acc[m][v] = Vec::fma(offset, Vec::set1(xq.scale[g] / 256.f * xq.qsum[g]), acc[m][v]);
+        }
       }
     }
   }

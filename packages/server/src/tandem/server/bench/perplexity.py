@@ -128,6 +128,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
     parser.add_argument(
+        "--quantization",
+        help="gguf, int8 or none, as `tandem serve --quantization` (default: the engine's)",
+    )
+    parser.add_argument(
+        "--cpu-int8-activations",
+        action="store_true",
+        help="x in one 8-bit part in the quantized products, as `tandem serve` takes it",
+    )
+    parser.add_argument(
         "--window",
         type=int,
         help=f"tokens per forward (default: the model's context or {DEFAULT_WINDOW}, "
@@ -154,7 +163,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.max_tokens is not None and args.max_tokens < 2:
         parser.error("argument --max-tokens: must be at least 2")
     try:
-        engine = Engine(args.model_path, dtype=args.dtype, device=args.device)
+        options: dict[str, object] = {"cpu_int8_activations": args.cpu_int8_activations}
+        if args.quantization is not None:
+            options["quantization"] = args.quantization
+        engine = Engine(args.model_path, dtype=args.dtype, device=args.device, **options)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     try:
