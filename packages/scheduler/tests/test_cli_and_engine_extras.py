@@ -16,6 +16,7 @@ from tandem.futuremap import create_stream
 from tandem.scheduler import Engine
 from tandem.scheduler.engine.cli import main
 from tandem.scheduler.engine.wiring import (
+    INT8_LONG_FROM_TOKENS,
     LONG_STEP_WEIGHTS,
     LONG_TOKEN_WEIGHTS,
     default_forward_threads,
@@ -192,6 +193,13 @@ def test_a_large_model_forward_takes_every_core() -> None:
     assert large.matmul_weights_per_token == 12 * per_layer + 768 * 9000
     assert default_forward_threads(large, 2) == ForwardThreads(1, 2, 1)
     assert default_forward_threads(large, 16).for_tokens(1) == 16
+    # Kept quantized, multiplied by int8 dot products: a decode step of a request or two
+    # is short at any size, a step of INT8_LONG_FROM_TOKENS long; a small model's rule
+    # for its prefills stands.
+    int8 = default_forward_threads(large, 2, int8_products=True)
+    assert int8 == ForwardThreads(1, 2, INT8_LONG_FROM_TOKENS)
+    assert int8.for_tokens(INT8_LONG_FROM_TOKENS - 1) == 1
+    assert default_forward_threads(small, 2, int8_products=True) == threads
 
 
 def test_a_cpu_step_runs_on_the_threads_its_tokens_call_for() -> None:

@@ -25,6 +25,7 @@ import torch
 from test_gguf_loading import SHAPE, make_llama, write_gguf
 
 from tandem.scheduler import Engine
+from tandem.scheduler.engine.wiring import INT8_LONG_FROM_TOKENS
 from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models import ModelConfig, gguf_file, load_model
 from tandem.scheduler.models.gguf_file import GGUFTensor, gguf_folder
@@ -210,7 +211,8 @@ def _run(
             logprob_start_len=0,
         )  # fmt: skip
         info = engine.get_server_info()
-    return {"outs": outs, "info": info}
+        threads = engine.forward_threads
+    return {"outs": outs, "info": info, "threads": threads}
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +267,21 @@ def test_the_quantized_engine_holds_a_fraction_of_the_weights_memory(
     held = {q: run["info"]["weights_bytes"] for q, run in runs.items() if q != "gguf-one-part"}
     assert held["gguf"] < 0.3 * held["none"]  # Q4_1 and Q8_0 blocks against float32
     assert held["int8"] < 0.6 * held["none"]  # the layers in int8, the table in float32
+
+
+def test_the_int8_products_decode_steps_of_a_request_or_two_are_short(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """Kept quantized and multiplied by int8 dot products, the default model's decode
+    steps of fewer than ``INT8_LONG_FROM_TOKENS`` tokens run on one core fewer, where
+    dequantized every step of it is long (``wiring.default_forward_threads``)."""
+    quantized, plain = runs["gguf"]["threads"], runs["none"]["threads"]
+    assert plain.long_from_tokens == 1
+    if cpu_build.int8_products():
+        assert quantized.long_from_tokens == INT8_LONG_FROM_TOKENS
+        assert (quantized.short, quantized.long) == (plain.short, plain.long)
+    else:  # the AVX2 build widens the codes to float32: the weights' rule
+        assert quantized == plain
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])

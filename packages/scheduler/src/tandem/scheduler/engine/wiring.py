@@ -30,7 +30,7 @@ from tandem.scheduler.attention import (
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.engine.cpu_malloc import keep_freed_memory, release_freed_memory
-from tandem.scheduler.kernels.cpu_build import load_cpu_kernels
+from tandem.scheduler.kernels.cpu_build import int8_products, load_cpu_kernels
 from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.models import (
     CausalLM,
@@ -155,6 +155,9 @@ def _wire(
         )
     context_length = cfg.context_length or max_pos
     local = tp.local_config(mc)
+    quantization = _quantization(cfg, model_path, device, tp)
+    # Quantized weights need linear_quant; without it they are dequantized at load.
+    quant_kernels = quantization != "none" and load_cpu_kernels(cache_root() / "kernels")
     forward_threads = None
     if device.type == "cpu":
         # The ranks of one machine share its cores.
@@ -162,15 +165,12 @@ def _wire(
         forward_threads = (
             ForwardThreads.fixed(cfg.cpu_forward_threads)
             if cfg.cpu_forward_threads
-            else default_forward_threads(local, cores)
+            else default_forward_threads(local, cores, quant_kernels and int8_products())
         )
     tokenizer = _load_tokenizer(tokenizer_path)
     eos_ids = _eos_ids(model_path, mc, tokenizer)
 
     debug = cfg.debug_futures
-    quantization = _quantization(cfg, model_path, device, tp)
-    if quantization != "none":
-        load_cpu_kernels(cache_root() / "kernels")  # quantized weights need linear_quant
     model = load_model(
         None if cfg.load_format == "dummy" else model_path,
         mc,
@@ -304,9 +304,14 @@ LONG_TOKEN_WEIGHTS = 16_000_000
 LONG_STEP_WEIGHTS = 1_000_000_000
 """Below ``LONG_TOKEN_WEIGHTS``, the weights a step multiplies by (its tokens times the
 weights per token) from which it is long all the same: a prefill's, not a decode's."""
+INT8_LONG_FROM_TOKENS = 4
+"""With the weights kept quantized and multiplied by int8 dot products, a step of fewer
+tokens is short whatever the model's size, a step of this many long (at the latest)."""
 
 
-def default_forward_threads(mc: ModelConfig, cores: int) -> ForwardThreads:
+def default_forward_threads(
+    mc: ModelConfig, cores: int, int8_products: bool = False
+) -> ForwardThreads:
     """Intra-op threads of the CPU forward when ``cpu_forward_threads`` is not given:
     every core for a long step, one fewer (at least 1) for a short one.
 
@@ -320,9 +325,18 @@ def default_forward_threads(mc: ModelConfig, cores: int) -> ForwardThreads:
     ``LONG_TOKEN_WEIGHTS`` per token has only long steps, a smaller one long prefills
     (``LONG_STEP_WEIGHTS``). A small model's decode step is faster on every core in
     process, but served, beside the HTTP process and the clients, it is faster on one
-    core fewer. (measurements: docs/benchmarks.md, Measurements behind the code)"""
+    core fewer.
+
+    ``int8_products``: the weights stay quantized and are multiplied by int8 dot products
+    (``kernels/cpu_quant.cpp``). A decode step of a request or two is then short at any
+    model size (``INT8_LONG_FROM_TOKENS``): each product reads a few bits a weight and is
+    bound by that and by its call, which a second thread barely shortens, while from a
+    few tokens on the int8 arithmetic grows with the tokens and every core shares it.
+    (measurements: docs/benchmarks.md, Measurements behind the code)"""
     weights = max(1, mc.matmul_weights_per_token)
     tokens = 1 if weights >= LONG_TOKEN_WEIGHTS else -(-LONG_STEP_WEIGHTS // weights)
+    if int8_products:
+        tokens = max(tokens, INT8_LONG_FROM_TOKENS)
     return ForwardThreads(short=max(1, cores - 1), long=cores, long_from_tokens=tokens)
 
 

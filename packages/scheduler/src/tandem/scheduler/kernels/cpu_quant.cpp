@@ -318,11 +318,12 @@ void run_item(const float* x, const float* xsum, int64_t K, int64_t N, const Cod
 // the block's sum of x's parts is taken off again, exactly, in integers).
 constexpr int64_t kRow = kPanel * 4;  // bytes of a code row
 
-// x's rows in two 8-bit parts, and per block the scale and the parts' sum, 256 q + r
-// (what an offset multiplies, and what the +128 adds).
+// x's rows in two 8-bit parts, and per block the scale, the parts' sum, 256 q + r (what
+// the +128 adds), and the sum of x as rounded, scale * (256 q + r) / 256 (what an offset
+// multiplies).
 struct Quantized {
   std::vector<int8_t> q, r;
-  std::vector<float> scale;
+  std::vector<float> scale, sum;
   std::vector<int32_t> qsum;
 };
 
@@ -369,11 +370,13 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
 Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block, bool two) {
   const int64_t groups = M * (K / block);
   Quantized out{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K),
-                std::vector<float>(groups), std::vector<int32_t>(groups)};
+                std::vector<float>(groups), std::vector<float>(groups),
+                std::vector<int32_t>(groups)};
   const auto run = [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       out.scale[g] = quantize_block(x + g * block, block, two, out.q.data() + g * block,
                                     out.r.data() + g * block, out.qsum[g]);
+      out.sum[g] = out.scale[g] / 256.f * static_cast<float>(out.qsum[g]);
     }
   };
   // Rows in parallel where there are enough of them to repay the threads' start.
@@ -434,13 +437,11 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
         if constexpr (!U4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xq.qsum[g]));
         const F step = _mm512_mul_ps(scale, Vec::set1(xq.scale[g] / 256.f));
         acc[m][v] = Vec::fma(step, _mm512_cvtepi32_ps(s), acc[m][v]);
-        // The offset times the sum of x as rounded, scale * (256 q + r) / 256, which
-        // the codes' term multiplies too: the rounding errors then meet the weights, of
-        // either sign, not the codes' steps above the offset, all of one sign, which
-        // add them up (the perplexity with one part: docs/benchmarks.md).
-        if constexpr (U4) {
-          acc[m][v] = Vec::fma(offset, Vec::set1(xq.scale[g] / 256.f * xq.qsum[g]), acc[m][v]);
-        }
+        // The offset times the sum of x as rounded, which the codes' term multiplies
+        // too: the rounding errors then meet the weights, of either sign, not the
+        // codes' steps above the offset, all of one sign, which add them up (the
+        // perplexity with one part: docs/benchmarks.md).
+        if constexpr (U4) acc[m][v] = Vec::fma(offset, Vec::set1(xq.sum[g]), acc[m][v]);
       }
     }
   }
