@@ -180,7 +180,8 @@ def _rounded(x: torch.Tensor, block: int, parts: int) -> torch.Tensor:
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     units = blocks * inverse
     whole = torch.round(units)
-    rest = torch.round((units - whole) * 256).clamp(-127, 127) if parts == 2 else 0 * whole
+    rest = torch.round((units - whole) * 256).clamp(-127, 127)
+    rest = rest if parts == 2 else torch.zeros_like(whole)
     return (scale.double() * (whole.double() + rest.double() / 256)).view_as(x)
 
 

@@ -191,3 +191,33 @@ def test_the_real_models_perplexity_equals_transformers_reading_the_same_gguf(
     nll, count = _transformers_nll(gguf.parent, ids, 96, 48, gguf_file=gguf.name)
     assert figures["tokens"] == count == len(ids) - 1
     assert figures["perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-3)
+
+
+def test_both_bench_commands_take_the_weights_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--quantization`` and ``--cpu-int8-activations`` reach the engine, as `tandem
+    serve` takes them: a quantization it does not know is refused naming it."""
+    from tandem.server.bench import offline
+
+    given = ["--quantization", "int8", "--cpu-int8-activations"]
+    parsed = (
+        offline.build_parser().parse_args(given),
+        perplexity.build_parser().parse_args([*given, "--text-file", "t"]),
+    )
+    for args in parsed:
+        assert offline.weights_options(args) == {
+            "quantization": "int8",
+            "cpu_int8_activations": True,
+        }
+    plain = offline.weights_options(offline.build_parser().parse_args([]))
+    assert plain == {"cpu_int8_activations": False}  # the engine's own quantization default
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT, encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        perplexity.main([
+            "--text-file", str(text_file), "--model-path", str(default_model_path(tmp_path)),
+            "--device", "cpu", "--quantization", "q3_bogus",
+        ])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert "q3_bogus" in capsys.readouterr().err

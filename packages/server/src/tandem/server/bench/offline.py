@@ -75,6 +75,28 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine holds and multiplies the weights, as `tandem serve` takes it."""
+    parser.add_argument(
+        "--quantization",
+        help="gguf, int8 or none, as `tandem serve --quantization` (default: the engine's)",
+    )
+    parser.add_argument(
+        "--cpu-int8-activations",
+        action="store_true",
+        help="the quantized products round x to one 8-bit part, as llama.cpp does",
+    )
+
+
+def weights_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``add_weights_arguments``' options as ``Engine`` keywords (the engine's default
+    where one is not given)."""
+    options: dict[str, Any] = {"cpu_int8_activations": args.cpu_int8_activations}
+    if args.quantization is not None:
+        options["quantization"] = args.quantization
+    return options
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     if parser is None:
         parser = argparse.ArgumentParser(prog="tandem bench", description=__doc__)
@@ -85,10 +107,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
-    parser.add_argument(
-        "--quantization",
-        help="gguf, int8 or none, as `tandem serve --quantization` (default: the engine's)",
-    )
+    add_weights_arguments(parser)
     add_workload_arguments(parser)
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default: 1)")
     parser.add_argument(
@@ -581,11 +600,10 @@ def run(
         "model_path": args.model_path,
         "device": args.device,
         "dtype": args.dtype,
+        **weights_options(args),
     }
     if args.max_running_requests is not None:
         options["max_running_requests"] = args.max_running_requests
-    if args.quantization is not None:
-        options["quantization"] = args.quantization
     variants: list[tuple[str | None, dict[str, Any]]] = [(None, spec)]
     if args.compare_overlap:
         variants = [

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.server.bench.offline import add_weights_arguments, weights_options
+
 DEFAULT_WINDOW = 1024
 """Tokens per window when ``--window`` is not given (or the model's context, if less)."""
 
@@ -127,15 +129,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: auto)")
-    parser.add_argument(
-        "--quantization",
-        help="gguf, int8 or none, as `tandem serve --quantization` (default: the engine's)",
-    )
-    parser.add_argument(
-        "--cpu-int8-activations",
-        action="store_true",
-        help="x in one 8-bit part in the quantized products, as `tandem serve` takes it",
-    )
+    add_weights_arguments(parser)
     parser.add_argument(
         "--window",
         type=int,
@@ -163,10 +157,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.max_tokens is not None and args.max_tokens < 2:
         parser.error("argument --max-tokens: must be at least 2")
     try:
-        options: dict[str, object] = {"cpu_int8_activations": args.cpu_int8_activations}
-        if args.quantization is not None:
-            options["quantization"] = args.quantization
-        engine = Engine(args.model_path, dtype=args.dtype, device=args.device, **options)
+        engine = Engine(
+            args.model_path, dtype=args.dtype, device=args.device, **weights_options(args)
+        )
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     try:
