@@ -194,3 +194,21 @@ def test_ctrl_c_stops_the_server_without_a_traceback(tmp_path: Path, when: str) 
     if when == "ready":
         assert code == 0
         assert "draining" in text
+
+
+def test_ctrl_c_before_uvicorn_takes_the_signal_ends_as_an_interruption(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT in the instant before uvicorn installs its handler reaches ``serve`` as
+    KeyboardInterrupt from asyncio's runner: status 130 and one line, as any Ctrl-C
+    (the subprocess test above meets this window only by chance)."""
+    from tandem.server.http_server import TandemServer
+
+    def interrupted(self: TandemServer, sockets: object = None) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(TandemServer, "run", interrupted)
+    code = main(["serve", "--model-path", "tandem-tiny", "--port", str(free_port())])
+    assert code == 130
+    assert "tandem: interrupted" in capsys.readouterr().err

@@ -9,7 +9,6 @@ default comes from the environment is passed on only when its flag is given.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import re
 import socket
@@ -281,8 +280,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         lambda: app.state.tandem.client if hasattr(app.state, "tandem") else None,
         config.graceful_shutdown_timeout,
     )
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         server.run()
+    except KeyboardInterrupt:
+        # A signal before uvicorn takes SIGINT over reaches here as KeyboardInterrupt
+        # (from asyncio's runner): the start is abandoned, reported as any Ctrl-C is.
+        if not server.started:
+            raise
     return app.state.lifecycle.exit_code if server.started else 1
 
 
