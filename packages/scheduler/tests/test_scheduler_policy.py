@@ -115,6 +115,9 @@ class FakeRunner:
     def collect(self) -> None:
         pass
 
+    def take_steps(self) -> list[tuple[object, float]]:
+        return []  # no forward is timed here
+
     def share_masks(self, step: int, bitmask: torch.Tensor) -> None:
         pass  # one rank: nobody to share with
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tandem.scheduler import Engine
+from tandem.scheduler.schedule.spec_gate import MIN_STEPS
 
 PROMPTS = [
     [5, 17, 33, 8, 41, 9, 60, 12],
@@ -35,9 +36,11 @@ def _spec(head: Path, steps: int = 3, topk: int = 1, ndt: int = 4) -> dict[str, 
         "speculative_num_steps": steps,
         "speculative_eagle_topk": topk,
         "speculative_num_draft_tokens": ndt,
-        # Draft at every batch size (the CPU's default turns it off from two requests;
-        # test_trained_pair checks that switch).
+        # Draft at every batch size and every measured gain (the CPU's default turns
+        # it off from two requests, test_trained_pair checks that switch; the gate is
+        # tested below).
         "speculative_disable_by_batch_size": 64,
+        "speculative_disable_adaptive": True,
     }
 
 
@@ -82,6 +85,33 @@ def test_greedy_equals_non_speculative(
         assert 1 <= ct <= GREEDY["max_new_tokens"] - 1
     assert info["avg_spec_accept_length"] >= 1.0
     assert info["speculative_algorithm"] == options["speculative_algorithm"]
+
+
+@pytest.mark.parametrize("normal_loop", [False, True])
+def test_the_gate_turns_drafting_off_where_it_loses(
+    target: Path, heads: dict[str, Path], reference: list[list[int]], normal_loop: bool
+) -> None:
+    """A random head commits about one token a step, so its steps lose to plain ones.
+    The gate measures both kinds (the overlap loop lands the speculative step in flight
+    before the first plain one), then decodes the next requests plainly from their
+    first step; the output never changes."""
+    options = {**_spec(heads["eagle3"]), "speculative_disable_adaptive": False}
+    with _engine(target, disable_overlap_schedule=normal_loop, **options) as engine:
+        first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        counters, gate = engine.scheduler.counters, engine.scheduler.spec.gate
+        drafted = counters.spec_verify_steps
+        for r in first:  # measured, then plain
+            assert MIN_STEPS <= r["meta_info"]["spec_verify_ct"] <= GREEDY["max_new_tokens"] // 2
+        gain = gate.gain(len(PROMPTS))
+        assert gain is not None
+        assert gain < 1.0
+        replays = engine.scheduler.runner.decode_trace.replays
+        again = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert counters.spec_verify_steps == drafted  # no step drafted
+        assert engine.scheduler.runner.decode_trace.replays > replays
+    assert [r["output_ids"] for r in first] == reference
+    assert [r["output_ids"] for r in again] == reference
+    assert all(r["meta_info"]["spec_verify_ct"] == 0 for r in again)
 
 
 def test_radix_cache_and_chunked_prefill(

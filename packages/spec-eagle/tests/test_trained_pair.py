@@ -66,6 +66,7 @@ def test_speculation_turns_off_for_a_large_batch_and_back_on() -> None:
         speculative_algorithm="EAGLE3",
         speculative_draft_model_path=str(PAIR / "eagle3"),
         speculative_disable_by_batch_size=3,
+        speculative_disable_adaptive=True,  # the batch limit alone (the gate: test_engine_spec)
     ) as engine:
         stream = engine.generate(prompts[0], long, stream=True)
         chunks = [next(stream)]

@@ -149,6 +149,10 @@ class EngineConfig:
             to its end (its draft state is left behind); requests admitted while
             fewer decode draft again. ``None``: the device's default (on the CPU
             ``CPU_SPECULATIVE_DISABLE_BY_BATCH_SIZE``, measured; never on GPUs).
+        speculative_disable_adaptive: keep drafting where the measured step times
+            say it loses. By default the scheduler times speculative and plain decode
+            steps at each batch size, with the accept length, and decodes plainly
+            where drafting would be slower (``SpecGate``).
         debug_futures: the debug invariants, all or none: the FutureMap's consume-once
             checks, strict accounting with the page ledger, and the ``torch``
             backend's decode-stage check. Default: ``TANDEM_DEBUG_FUTURES``.
@@ -226,6 +230,7 @@ class EngineConfig:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    speculative_disable_adaptive: bool = False
     debug_futures: bool = _from_env(lambda env: env.debug_futures)
     compile_checks: str = _from_env(lambda env: env.compile_checks)
     host_stream_max_delay_ms: float = _from_env(lambda env: env.host_stream_max_delay_s * 1000)
@@ -377,6 +382,7 @@ class EngineConfig:
         )
         if self.speculative_algorithm is None:
             given = [name for name in spec_options if getattr(self, name) is not None]
+            given += ["speculative_disable_adaptive"] * self.speculative_disable_adaptive
             if given:
                 raise ValueError(f"{given[0]} needs speculative_algorithm (EAGLE or EAGLE3)")
             return

@@ -10,6 +10,7 @@ docs/concepts/architecture.md follows one request through them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -243,6 +244,8 @@ class Update:
 
 class _Collects(Protocol):
     def collect(self) -> None: ...
+
+    def take_steps(self) -> list[tuple[Hashable, float]]: ...
 
 
 class Runner(Protocol):

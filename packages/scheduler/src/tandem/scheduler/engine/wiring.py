@@ -237,6 +237,7 @@ def _wire(
     scheduler = Scheduler(
         cfg, runner, eos_ids=eos_ids, context_length=context_length, strict_accounting=debug,
         spec_batch_limit=cfg.speculative_batch_limit(device.type),
+        spec_gate=not cfg.speculative_disable_adaptive,
     )  # fmt: skip
     if cfg.disaggregation_mode != "null":
         from tandem.scheduler.disagg.side import disaggregate

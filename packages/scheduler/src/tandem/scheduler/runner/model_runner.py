@@ -39,6 +39,7 @@ from tandem.scheduler.speculative.interface import (
 
 INPUT_LOGPROB_BLOCK = 512
 """Prompt positions whose full-vocabulary logits exist at once, for prompt logprobs."""
+_DECODE_MODES = (ForwardMode.DECODE, ForwardMode.SPEC_DECODE)
 
 
 class StepDriver(Protocol):
@@ -147,7 +148,11 @@ class ModelRunner:
         sampling: SamplingInputs | None,
         new_period: bool,
     ) -> StepResult:
-        handle = self.timeline.begin(new_period)
+        # Decode steps are timed by kind and size for speculative decoding's gate.
+        key = None
+        if self.spec is not None and batch.mode in _DECODE_MODES:
+            key = (batch.mode is ForwardMode.SPEC_DECODE, len(batch.reqs))
+        handle = self.timeline.begin(new_period, key)
         try:
             return self._forward_step(batch, inputs, sampling)
         finally:

@@ -41,8 +41,12 @@ class DecodeManager:
         if decodable is None:
             return None
         spec = self.spec
-        if spec is not None and spec.drafts(decodable):
-            return spec.schedule(decodable)
+        if spec is not None:
+            drafts = spec.drafts(decodable)
+            if drafts is None:  # the step in flight lands first
+                return None
+            if drafts:
+                return spec.schedule(decodable)
         batch = ScheduledBatch(ForwardMode.DECODE)
         if not self.add_rows(batch, decodable):
             return None

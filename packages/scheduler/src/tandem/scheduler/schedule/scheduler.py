@@ -34,6 +34,7 @@ from tandem.scheduler.schedule.decode import DecodeManager
 from tandem.scheduler.schedule.prefill import PrefillManager
 from tandem.scheduler.schedule.release import Release
 from tandem.scheduler.schedule.side import Side
+from tandem.scheduler.schedule.spec_gate import SpecGate
 from tandem.scheduler.schedule.spec_policy import SpecPolicy
 
 
@@ -49,9 +50,11 @@ class Scheduler:
         context_length: int,
         strict_accounting: bool = False,
         spec_batch_limit: int | None = None,
+        spec_gate: bool = False,
     ) -> None:
         """``spec_batch_limit``: with speculative decoding, decode plainly from this many
-        decoding requests on (``SpecPolicy``); ``None``: never."""
+        decoding requests on (``SpecPolicy``); ``None``: never. ``spec_gate``: also
+        where the measured step times say drafting loses (``SpecGate``)."""
         self.config = config
         self.runner = runner
         self.overlap = not config.disable_overlap_schedule
@@ -74,7 +77,8 @@ class Scheduler:
         spec = None
         if config.speculative:
             accept, lookahead = config.speculative_max_accept, config.speculative_lookahead
-            spec = SpecPolicy(accept, lookahead, res, counters, spec_batch_limit)
+            gate = SpecGate() if spec_gate else None
+            spec = SpecPolicy(accept, lookahead, res, counters, spec_batch_limit, gate)
         self.spec = spec
         self.release = Release(stages, res, counters, eos_ids, spec)
         self.prefill = PrefillManager(config, stages, res, counters, spec)
@@ -207,6 +211,8 @@ class Scheduler:
         result = launched.wait()  # the only host wait: this batch's copy-done
         waited = time.perf_counter() - t
         self.runner.timeline.collect()
+        if self.spec is not None:
+            self.spec.steps_timed(self.runner.timeline.take_steps())
         updates += self.process(launched.batch, result)
         return waited
 

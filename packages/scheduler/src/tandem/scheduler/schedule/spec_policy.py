@@ -5,16 +5,19 @@ one step late, so ``Request.kv_len`` is an upper bound: launching adds
 ``max_accept``, processing takes back what was not committed (``spec_committed`` is
 the processed truth). docs/concepts/overlap-loop.md explains why a step reserves KV
 ``lookahead`` positions past that bound. From ``batch_limit`` decoding requests on,
-speculation turns off: decoding is plain (``drafts``).
+or where the measured ``SpecGate`` says drafting loses, decoding is plain (``drafts``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.kv.resources import Resources
 from tandem.scheduler.messages import ScheduledBatch
 from tandem.scheduler.request import Request
 from tandem.scheduler.schedule.counters import Counters
+from tandem.scheduler.schedule.spec_gate import SpecGate
 
 
 class SpecPolicy:
@@ -28,29 +31,38 @@ class SpecPolicy:
         resources: Resources,
         counters: Counters,
         batch_limit: int | None = None,
+        gate: SpecGate | None = None,
     ) -> None:
         self.max_accept = max_accept
         self.lookahead = lookahead
         self.resources = resources
         self.counters = counters
         self.batch_limit = batch_limit
+        self.gate = gate
 
-    def drafts(self, decodable: list[Request]) -> bool:
-        """Whether the next decode step over ``decodable`` is speculative: while fewer
-        than ``batch_limit`` requests decode, all of them with a draft state that
-        follows them. Otherwise the step is plain, which leaves the draft behind (it
-        would need the target's features at the positions decoded plainly): that
-        request decodes plainly to its end, and requests admitted later draft again
-        once the batch is small.
+    def drafts(self, decodable: list[Request]) -> bool | None:
+        """Whether the next decode step over ``decodable`` is speculative (True): while
+        fewer than ``batch_limit`` requests decode, all of them with a draft state that
+        follows them, and the ``gate`` (if any) finds that drafting pays. Otherwise the
+        step is plain (False), which leaves the draft behind (it would need the
+        target's features at the positions decoded plainly): that request decodes
+        plainly to its end, and requests admitted later draft again.
 
         A plain step needs each request's exact length, so no speculative step of
-        theirs may be in flight (launched, not yet processed). It never is: the decoding requests
-        only grow in number through a prefill step, and both loops process the step
-        before a prefill before they schedule the step after it."""
+        theirs may be in flight (launched, not yet processed). Past the batch limit
+        it never is: the decoding requests only grow in number through a prefill
+        step, and both loops process the step before a prefill before they schedule
+        the step after it. The gate, though, turns drafting off between two decode
+        steps: then the answer is None, no step yet, and the overlap loop lands the
+        step in flight before it schedules the plain one (one step without overlap,
+        once per switch)."""
         few = self.batch_limit is None or len(decodable) < self.batch_limit
-        if few and all(req.spec_drafts for req in decodable):
+        drafting = all(req.spec_drafts for req in decodable)
+        if few and drafting and (self.gate is None or self.gate.drafts(len(decodable))):
             return True
         open_steps = [req.rid for req in decodable if req.spec_launched > req.spec_verify_ct]
+        if open_steps and few and drafting:
+            return None
         if open_steps:
             raise RuntimeError(f"a plain step over requests with a step in flight: {open_steps}")
         return False
@@ -79,6 +91,12 @@ class SpecPolicy:
             req.spec_launched += 1
         return batch if batch.reqs else None
 
+    def steps_timed(self, steps: list[tuple[Hashable, float]]) -> None:
+        """Decode forwards the forward stream timed, keyed ``(speculative, rows)``."""
+        if self.gate is not None:
+            for (speculative, n), seconds in steps:  # type: ignore[misc]
+                self.gate.step_timed(speculative, n, seconds)
+
     @staticmethod
     def decoded_plainly(batch: ScheduledBatch) -> None:
         """``batch``, a plain decode step, leaves its requests' draft state behind."""
@@ -101,6 +119,8 @@ class SpecPolicy:
         req.scheduled_samples += accepted - 1
         self.counters.spec_verify_steps += 1
         self.counters.spec_committed_tokens += accepted
+        if self.gate is not None:
+            self.gate.committed(accepted)
         return tokens[:accepted]
 
     @staticmethod

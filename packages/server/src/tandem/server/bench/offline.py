@@ -162,13 +162,22 @@ SPECULATIVE_OPTIONS = (
         int,
         "turn speculation off while this many requests or more decode in one step",
     ),
+    (
+        "speculative_disable_adaptive",
+        bool,
+        "keep drafting where the measured step times say it loses",
+    ),
 )
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     """The Engine's speculative options, and ``--compare-speculative``."""
     for name, kind, text in SPECULATIVE_OPTIONS:
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(flag, type=kind, help=text)
     parser.add_argument(
         "--compare-speculative",
         action="store_true",
