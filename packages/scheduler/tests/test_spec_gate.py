@@ -101,3 +101,23 @@ def test_the_policy_asks_the_gate_and_feeds_it() -> None:
     assert gate.accept_length == 2.0
     assert not policy.drafts(reqs)  # 2 tokens in 30 ms against 1 in 10 ms
     assert SpecPolicy(4, 4, None, counters).drafts(reqs)  # type: ignore[arg-type]
+
+
+def test_the_summary_names_each_class_by_its_smallest_batch() -> None:
+    gate = SpecGate()
+    _measure(gate, 5, 0.031, 0.010, 3)
+    gate.step_timed(True, 1, 0.02)
+    summary = gate.summary()
+    assert summary["accept_length"] == 3.0
+    assert summary["classes"] == {
+        "1": {"drafting_s": 0.02, "plain_s": None, "gain": None},
+        "4": {"drafting_s": 0.031, "plain_s": 0.010, "gain": pytest.approx(3 * 0.010 / 0.031)},
+    }
+
+
+def test_no_decoding_request_is_the_class_of_one() -> None:
+    """``drafts`` may be asked about an empty batch; the summary still names classes."""
+    gate = SpecGate()
+    assert gate.drafts(0)
+    gate.step_timed(True, 1, 0.02)
+    assert list(gate.summary()["classes"]) == ["1"]  # type: ignore[call-overload]

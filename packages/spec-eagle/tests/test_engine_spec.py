@@ -105,6 +105,7 @@ def test_the_gate_turns_drafting_off_where_it_loses(
         gain = gate.gain(len(PROMPTS))
         assert gain is not None
         assert gain < 1.0
+        assert engine.get_server_info()["spec_gate"]["classes"]["4"]["gain"] == gain
         replays = engine.scheduler.runner.decode_trace.replays
         again = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert counters.spec_verify_steps == drafted  # no step drafted

@@ -279,6 +279,7 @@ class Engine:
             "device_idle_s": timeline.idle_s,
             "device_idle_fraction": timeline.idle_fraction,
             "avg_spec_accept_length": s.counters.avg_spec_accept_length,
+            "spec_gate": s.spec.gate.summary() if s.spec and s.spec.gate else None,
             "disaggregation_bootstrap_port": getattr(s.disagg, "port", None)
             or self.config.disaggregation_bootstrap_port,
         }

@@ -43,7 +43,7 @@ class SpecGate:
     commits: deque[int] = field(default_factory=lambda: deque(maxlen=KEEP_COMMITS))
 
     def _of(self, n: int) -> _SizeClass:
-        return self.classes.setdefault(n.bit_length(), _SizeClass())
+        return self.classes.setdefault(max(n, 1).bit_length(), _SizeClass())
 
     def step_timed(self, speculative: bool, n: int, seconds: float) -> None:
         """A decode forward over ``n`` requests took ``seconds``."""
@@ -81,6 +81,19 @@ class SpecGate:
     def _wins(self, size: _SizeClass) -> bool:
         gain = self._gain(size)
         return gain is None or gain > 1.0
+
+    def summary(self) -> dict[str, object]:
+        """What the gate measured, for ``get_server_info``: the accept length, and per
+        size class (named by its smallest batch) the median step times and the gain."""
+        classes: dict[str, object] = {}
+        for bits, size in sorted(list(self.classes.items())):  # the scheduler may add one
+            spec_s, plain_s = list(size.spec_s), list(size.plain_s)
+            classes[str(1 << (bits - 1))] = {
+                "drafting_s": statistics.median(spec_s) if spec_s else None,
+                "plain_s": statistics.median(plain_s) if plain_s else None,
+                "gain": self._gain(size),
+            }
+        return {"accept_length": self.accept_length, "classes": classes}
 
     def drafts(self, n: int) -> bool:
         """Whether a step over ``n`` decoding requests should draft."""
