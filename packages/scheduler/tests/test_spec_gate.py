@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.scheduler.request import Request
+from tandem.scheduler.request import Request, Stages
 from tandem.scheduler.sampling import SamplingParams
 from tandem.scheduler.schedule.counters import Counters
 from tandem.scheduler.schedule.spec_gate import MIN_STEPS, SpecGate
@@ -101,6 +101,10 @@ def test_the_policy_asks_the_gate_and_feeds_it() -> None:
     assert gate.accept_length == 2.0
     assert not policy.drafts(reqs)  # 2 tokens in 30 ms against 1 in 10 ms
     assert SpecPolicy(4, 4, None, counters).drafts(reqs)  # type: ignore[arg-type]
+    stages = Stages()
+    stages.prefilling.extend(reqs)
+    policy.admitted(reqs, stages)
+    assert not any(req.spec_drafts for req in reqs)  # admitted there: no draft prefill
 
 
 def test_the_summary_names_each_class_by_its_smallest_batch() -> None:

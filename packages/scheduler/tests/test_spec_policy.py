@@ -54,3 +54,23 @@ def test_the_default_limit_depends_on_the_device() -> None:
     )
     assert config.speculative_batch_limit("cpu") == config.speculative_batch_limit("cuda") == 5
     assert EngineConfig(model_path="m").speculative_batch_limit("cpu") is None
+
+
+def test_admitted_requests_draft_only_if_their_first_step_would() -> None:
+    """A request admitted where its first decode step will be plain (the batch at the
+    limit, or a request in it already plain) skips the draft's work over its prompt."""
+    from tandem.scheduler.request import Stages
+
+    stages = Stages()
+    running, new = _requests(1), _requests(2)
+    stages.running.extend(running)
+    stages.prefilling.append(new[0])
+    _policy(3).admitted(new[:1], stages)
+    assert new[0].spec_drafts  # two requests, under the limit of 3
+    stages.prefilling.append(new[1])
+    _policy(3).admitted(new, stages)
+    assert not any(req.spec_drafts for req in new)  # three: plain from the first step
+    running[0].spec_drafts = False
+    stages.prefilling.remove(new[1])
+    _policy(None).admitted(new[:1], stages)
+    assert not new[0].spec_drafts  # the batch stays plain while a plain request runs

@@ -94,7 +94,7 @@ def test_the_gate_turns_drafting_off_where_it_loses(
     """A random head commits about one token a step, so its steps lose to plain ones.
     The gate measures both kinds (the overlap loop lands the speculative step in flight
     before the first plain one), then decodes the next requests plainly from their
-    first step; the output never changes."""
+    first step, without the draft's work over their prompts; the output never changes."""
     options = {**_spec(heads["eagle3"]), "speculative_disable_adaptive": False}
     with _engine(target, disable_overlap_schedule=normal_loop, **options) as engine:
         first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
@@ -107,8 +107,12 @@ def test_the_gate_turns_drafting_off_where_it_loses(
         assert gain < 1.0
         assert engine.get_server_info()["spec_gate"]["classes"]["4"]["gain"] == gain
         replays = engine.scheduler.runner.decode_trace.replays
+        worker, drafted_prompts = engine.scheduler.runner.spec, []
+        extend = worker.extend_after_prefill
+        worker.extend_after_prefill = lambda data: (drafted_prompts.append(1), extend(data))
         again = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert counters.spec_verify_steps == drafted  # no step drafted
+        assert not drafted_prompts  # nor did the draft read their prompts
         assert engine.scheduler.runner.decode_trace.replays > replays
     assert [r["output_ids"] for r in first] == reference
     assert [r["output_ids"] for r in again] == reference

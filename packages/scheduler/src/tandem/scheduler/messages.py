@@ -92,6 +92,7 @@ class ScheduledBatch:
     penalty_resets: list[PenaltyReset] = field(default_factory=list)  # admitted now
     finishing: list[Request] = field(default_factory=list)  # end here without sampling
     next_tokens: list[int] = field(default_factory=list)  # spec prefill: token after chunk
+    draft_prefill: bool = False  # spec prefill: the draft reads it (a request here drafts)
     spec_bounds: list[int] = field(default_factory=list)  # spec decode: committed-length bound
     spec_steps: list[int] = field(default_factory=list)  # spec decode: steps launched before
     return_logits: bool = False  # keep the sampled rows' logits (tests, tools)

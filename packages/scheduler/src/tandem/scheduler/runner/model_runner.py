@@ -190,9 +190,10 @@ class ModelRunner:
         )
         self.attention.plan(fb)
         # Run the model, then sample and stash the sampling requests' next tokens. A
-        # speculative engine's draft reads the target's features after a prefill only:
-        # its plain decode steps capture nothing (and so may be replayed).
-        drafts = self.spec is not None and batch.mode is not ForwardMode.DECODE
+        # speculative engine's draft reads the target's features after a prefill only,
+        # of requests that will draft: its plain decode steps capture nothing (and so
+        # may be replayed).
+        drafts = self.spec is not None and batch.draft_prefill
         hidden, captured = self.driver.forward(fb, self._capture if drafts else ())
         next_ids = None
         if batch.sample_indices and sampling is not None:

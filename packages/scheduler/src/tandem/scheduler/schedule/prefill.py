@@ -96,6 +96,8 @@ class PrefillManager:
     def _build(self, chosen: list[tuple[Request, int]], admitted: list[Request]) -> ScheduledBatch:
         batch = ScheduledBatch(ForwardMode.PREFILL)
         slots = self.resources.kv_pool.slots
+        if self.spec is not None and admitted:
+            self.spec.admitted(admitted, self.stages)
         for req in admitted:
             assert req.row is not None
             batch.penalty_resets.append(

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from tandem.scheduler.forward_batch import ForwardMode
 from tandem.scheduler.kv.resources import Resources
 from tandem.scheduler.messages import ScheduledBatch
-from tandem.scheduler.request import Request
+from tandem.scheduler.request import Request, Stages
 from tandem.scheduler.schedule.counters import Counters
 from tandem.scheduler.schedule.spec_gate import SpecGate
 
@@ -103,11 +103,24 @@ class SpecPolicy:
         for req in batch.reqs:
             req.spec_drafts = False
 
+    def admitted(self, reqs: list[Request], stages: Stages) -> None:
+        """Requests admitted now draft only if their first decode step would: fewer
+        than ``batch_limit`` requests running and prefilling, all of them drafting, and
+        the gate finding that drafting pays there. Those that will not skip the draft's
+        work over their prompt (their draft KV stays unwritten, as after a plain step)."""
+        n = len(stages.running) + len(stages.prefilling)
+        few = self.batch_limit is None or n < self.batch_limit
+        drafts = few and all(req.spec_drafts for req in stages.running)
+        drafts = drafts and (self.gate is None or self.gate.drafts(n))
+        for req in reqs:
+            req.spec_drafts = drafts
+
     def prefilled(self, batch: ScheduledBatch, req: Request, end: int) -> None:
         """A prefill chunk ending at ``end``: the draft reads the chunk shifted by one,
         so it needs the token after it (a sampling request's sampled token replaces
-        this on the device)."""
+        this on the device); a batch with no drafting request skips the draft."""
         batch.next_tokens.append(req.fill_ids[min(end, len(req.fill_ids) - 1)])
+        batch.draft_prefill |= req.spec_drafts
         req.spec_committed = end
 
     def commit(self, req: Request, tokens: list[int], accepted: int) -> list[int]:
