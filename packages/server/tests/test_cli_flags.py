@@ -212,3 +212,41 @@ def test_ctrl_c_before_uvicorn_takes_the_signal_ends_as_an_interruption(
     code = main(["serve", "--model-path", "tandem-tiny", "--port", str(free_port())])
     assert code == 130
     assert "tandem: interrupted" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_uvicorn_loads_the_app_abandons_the_start_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT after uvicorn took the signals but before the app's start-up began (while
+    it loads the app) abandons the start as during the engine's start: the normal
+    shutdown runs, the lifespan is not left to be cancelled (which printed a traceback),
+    and the status is 0 (the subprocess test above meets this window only by chance)."""
+    import signal
+
+    import uvicorn
+
+    from tandem.server.http_server import TandemServer
+
+    load = uvicorn.Config.load
+
+    def load_then_interrupt(self: uvicorn.Config) -> None:
+        load(self)
+        signal.raise_signal(signal.SIGINT)  # to the handler uvicorn installed
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(uvicorn.Config, "load", load_then_interrupt)
+    started = []
+    run = TandemServer.run
+
+    def run_and_watch(self: TandemServer, sockets: object = None) -> None:
+        run(self)
+        started.append((self.started, self.force_exit))
+
+    monkeypatch.setattr(TandemServer, "run", run_and_watch)
+    code = main(["serve", "--model-path", "tandem-tiny", "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert started == [(True, False)]  # a normal shutdown, not a forced one
+    assert "the engine's start is abandoned" in err
+    assert "Traceback" not in err
+    assert "tandem is ready" not in err

@@ -52,8 +52,13 @@ class TandemServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         lifecycle.request_exit = self._exit_soon
 
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        # The loop is known before uvicorn takes the signals, so a signal while it
+        # loads the app abandons the start like one during the engine's start.
         self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started and not self.should_exit:
             print(self.on_started(self.url()), file=sys.stderr, flush=True)
