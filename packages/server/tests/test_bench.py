@@ -148,7 +148,7 @@ def test_compare_speculative_on_a_text_workload(tmp_path: Path, cache: Path) -> 
     report = _run(
         tmp_path, "--workload", "text", "--dataset-path", str(text), *SMALL,
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
-        "--speculative-disable-by-batch-size", "64",
+        "--speculative-disable-by-batch-size", "64", "--speculative-disable-adaptive",
         "--compare-speculative",
     )  # fmt: skip
     assert set(report) == {"plain", "speculative"}
@@ -157,6 +157,17 @@ def test_compare_speculative_on_a_text_workload(tmp_path: Path, cache: Path) -> 
     assert report["speculative"]["speedup"] > 0
     assert "spec_accept_length" not in report["plain"]
     assert report["plain"]["total_output_tokens"] == report["speculative"]["total_output_tokens"]
+
+
+def test_the_speculative_options_reach_the_engine_as_given() -> None:
+    args = bench.build_parser().parse_args(
+        ["--speculative-algorithm", "EAGLE3", "--speculative-disable-adaptive"]
+    )
+    assert bench.speculative_options(args) == {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_disable_adaptive": True,
+    }
+    assert bench.speculative_options(bench.build_parser().parse_args([])) == {}
 
 
 def test_compare_speculative_needs_an_algorithm(tmp_path: Path) -> None:

@@ -32,7 +32,9 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
         "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "2",
         "--speculative-num-draft-tokens", "6",
-        "--speculative-disable-by-batch-size", "64",  # draft at every batch size
+        # Draft at every batch size and every measured gain (the gate would turn this
+        # random head off after a few steps).
+        "--speculative-disable-by-batch-size", "64", "--speculative-disable-adaptive",
     ]  # fmt: skip
     with live_server(cache, *flags) as live:
         yield live
@@ -52,6 +54,9 @@ def test_generate_reports_verify_steps(spec_server: LiveServer, tmp_path: Path) 
     assert out["output_ids"] == plain["output_ids"]
     assert metric_at_least(spec_server.url, "tandem_spec_accept_length", 1.0) >= 1.0
     assert metric_at_least(spec_server.url, "tandem_spec_verify_steps_total", ct) >= ct
+    info = httpx.get(f"{spec_server.url}/get_server_info", timeout=60).json()
+    assert info["speculative_disable_adaptive"] is True  # the flag reached the engine
+    assert info["spec_gate"] is None
 
 
 def test_openai_stream_and_refused_logprobs(spec_server: LiveServer) -> None:

@@ -203,6 +203,7 @@ def test_unsupported_requests_are_refused(target: Path, heads: dict[str, Path]) 
         # No head path: the built-in head, made for the default model, does not fit.
         ({"speculative_algorithm": "EAGLE3"}, "the built-in head is for the default model"),
         ({"speculative_num_steps": 3}, "needs speculative_algorithm"),
+        ({"speculative_disable_adaptive": True}, "disable_adaptive needs speculative_algo"),
         (
             {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x",
              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6},

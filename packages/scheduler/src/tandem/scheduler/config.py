@@ -382,7 +382,8 @@ class EngineConfig:
         )
         if self.speculative_algorithm is None:
             given = [name for name in spec_options if getattr(self, name) is not None]
-            given += ["speculative_disable_adaptive"] * self.speculative_disable_adaptive
+            if self.speculative_disable_adaptive:
+                given.append("speculative_disable_adaptive")
             if given:
                 raise ValueError(f"{given[0]} needs speculative_algorithm (EAGLE or EAGLE3)")
             return

@@ -56,12 +56,12 @@ class SpecPolicy:
         steps: then the answer is None, no step yet, and the overlap loop lands the
         step in flight before it schedules the plain one (one step without overlap,
         once per switch)."""
-        few = self.batch_limit is None or len(decodable) < self.batch_limit
-        drafting = all(req.spec_drafts for req in decodable)
-        if few and drafting and (self.gate is None or self.gate.drafts(len(decodable))):
+        n = len(decodable)
+        may = self._may_draft(n, decodable)
+        if may and self._pays(n):
             return True
         open_steps = [req.rid for req in decodable if req.spec_launched > req.spec_verify_ct]
-        if open_steps and few and drafting:
+        if open_steps and may:
             return None
         if open_steps:
             raise RuntimeError(f"a plain step over requests with a step in flight: {open_steps}")
@@ -109,11 +109,17 @@ class SpecPolicy:
         the gate finding that drafting pays there. Those that will not skip the draft's
         work over their prompt (their draft KV stays unwritten, as after a plain step)."""
         n = len(stages.running) + len(stages.prefilling)
-        few = self.batch_limit is None or n < self.batch_limit
-        drafts = few and all(req.spec_drafts for req in stages.running)
-        drafts = drafts and (self.gate is None or self.gate.drafts(n))
+        drafts = self._may_draft(n, stages.running) and self._pays(n)
         for req in reqs:
             req.spec_drafts = drafts
+
+    def _may_draft(self, n: int, reqs: list[Request]) -> bool:
+        """Below the batch limit at ``n`` requests, and ``reqs`` all drafting."""
+        few = self.batch_limit is None or n < self.batch_limit
+        return few and all(req.spec_drafts for req in reqs)
+
+    def _pays(self, n: int) -> bool:
+        return self.gate is None or self.gate.drafts(n)
 
     def prefilled(self, batch: ScheduledBatch, req: Request, end: int) -> None:
         """A prefill chunk ending at ``end``: the draft reads the chunk shifted by one,

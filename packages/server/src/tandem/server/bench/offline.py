@@ -170,6 +170,12 @@ SPECULATIVE_OPTIONS = (
 )
 
 
+def speculative_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The speculative options given, as ``Engine`` keywords."""
+    given = {name: getattr(args, name) for name, _, _ in SPECULATIVE_OPTIONS}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     """The Engine's speculative options, and ``--compare-speculative``."""
     for name, kind, text in SPECULATIVE_OPTIONS:
@@ -595,8 +601,7 @@ def run(
         parser.error("argument --constrained-fraction: must be in [0, 1]")
     if args.workload in ("sharegpt", "text") and not args.dataset_path:
         parser.error(f"argument --dataset-path: required by --workload {args.workload}")
-    spec = {name: getattr(args, name) for name, _, _ in SPECULATIVE_OPTIONS}
-    spec = {name: value for name, value in spec.items() if value is not None}
+    spec = speculative_options(args)
     if args.compare_speculative and not spec:
         parser.error("argument --compare-speculative: needs --speculative-algorithm")
     if args.compare_speculative and args.compare_overlap:
