@@ -395,14 +395,35 @@ inline __m512i dot(__m512i sums, __m512i codes, const int8_t* at) {
   return _mm512_dpbusd_epi32(sums, codes, _mm512_set1_epi32(four));
 }
 
-// MR rows of quantized x by one panel (all 48 columns).
+// MR rows of quantized x by one panel (all 48 columns). In a tile of two or three rows
+// over x in two parts the float32 sums gather in the tile's rows of y, a block at a
+// time: the registers then hold the block's 2 x MR x 3 integer sums and the codes of a
+// code row without spilling (GCC spilled the sums inside the loop with them in
+// registers too), and the L1 round trip a block costs little beside its dot products.
+// A one-row tile, and tiles over one part, keep their sums in registers.
 template <int MR, bool U4, bool Two>
 inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
                       const float* scales, const float* offsets, int64_t block, const Out& out) {
   constexpr int64_t per_row = U4 ? 8 : 4;  // inputs a code row covers
   const int64_t groups = K / block, rows_per_block = block / per_row;
-  F acc[MR][kV];
-  start<MR>(acc, out);
+  constexpr bool in_y = Two && MR > 1;  // where the float32 sums gather
+  F acc[in_y ? 1 : MR][kV];
+  if constexpr (in_y) {  // y starts as bias + residual
+    for (int m = 0; m < MR; ++m) {
+      for (int v = 0; v < kV; ++v) {
+        const int64_t valid = out.cols - v * Vec::kLanes;
+        if (valid <= 0) break;
+        F sum = out.bias != nullptr ? Vec::load_part(out.bias + v * Vec::kLanes, valid)
+                                    : Vec::zero();
+        if (out.res != nullptr) {
+          sum = Vec::add(sum, Vec::load_part(out.res + m * out.ldy + v * Vec::kLanes, valid));
+        }
+        Vec::store_part(out.y + m * out.ldy + v * Vec::kLanes, sum, valid);
+      }
+    }
+  } else {
+    start<MR>(acc, out);
+  }
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < groups; ++b) {
     __m512i whole[MR][kV], rest[MR][kV];
@@ -428,6 +449,8 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
       }
     }
     for (int v = 0; v < kV; ++v) {
+      const int64_t valid = out.cols - v * Vec::kLanes;
+      if (in_y && valid <= 0) break;
       const F scale = Vec::load(scales + b * kPanel + v * Vec::kLanes);
       const F offset = U4 ? Vec::load(offsets + b * kPanel + v * Vec::kLanes) : Vec::zero();
       for (int m = 0; m < MR; ++m) {
@@ -436,20 +459,26 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
         __m512i s = _mm512_add_epi32(_mm512_slli_epi32(whole[m][v], 8), rest[m][v]);
         if constexpr (!U4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xq.qsum[g]));
         const F step = _mm512_mul_ps(scale, Vec::set1(xq.scale[g] / 256.f));
-        acc[m][v] = Vec::fma(step, _mm512_cvtepi32_ps(s), acc[m][v]);
+        float* at = out.y + m * out.ldy + v * Vec::kLanes;
+        F sum = Vec::fma(step, _mm512_cvtepi32_ps(s), in_y ? Vec::load_part(at, valid) : acc[m][v]);
         // The offset times the sum of x as rounded, which the codes' term multiplies
         // too: the rounding errors then meet the weights, of either sign, not the
         // codes' steps above the offset, all of one sign, which add them up (the
         // perplexity with one part: docs/benchmarks.md).
-        if constexpr (U4) acc[m][v] = Vec::fma(offset, Vec::set1(xq.sum[g]), acc[m][v]);
+        if constexpr (U4) sum = Vec::fma(offset, Vec::set1(xq.sum[g]), sum);
+        if constexpr (in_y) {
+          Vec::store_part(at, sum, valid);
+        } else {
+          acc[m][v] = sum;
+        }
       }
     }
   }
-  store<MR>(acc, out);
+  if constexpr (!in_y) store<MR>(acc, out);
 }
 
-// Rows of a tile: 3 x 3 sums and 2 x 3 x 3 block sums in registers, or with one part
-// of x, 4 x 3 and 4 x 3.
+// Rows of a tile: 3 x 3 block sums of each part in registers, or with one part of x,
+// 4 x 3 and the 4 x 3 float32 sums.
 template <bool Two>
 constexpr int kInt8Rows = Two ? 3 : 4;
 #endif  // __AVX512VNNI__
