@@ -69,6 +69,11 @@ class EngineConfig:
             of each block's largest value): half their work, about twice the speed of
             a batch of 8 or more, and the default model's perplexity a few tenths of a
             percent higher.
+        disable_cpu_weight_stream: no weight stream. By default, with the weights
+            quantized on the CPU and a core that a decode step of a request or two leaves
+            free, a thread there reads each such step's weights just ahead of its products
+            (``models.weight_stream``): the step streams them from memory faster. It
+            changes no result.
         random_seed: seed of dummy weights and of sampling for requests without a seed.
         context_length: longest sequence (prompt + output); default: the model's
             ``max_position_embeddings``.
@@ -198,6 +203,7 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str | None = None
     cpu_int8_activations: bool = False
+    disable_cpu_weight_stream: bool = False
     random_seed: int = 0
     context_length: int | None = None
     page_size: int = 1

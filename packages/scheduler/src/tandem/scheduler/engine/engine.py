@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -256,6 +257,8 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         """Configuration, model facts, memory and counters, as one dict."""
         s, kv, timeline = self.scheduler, self._parts.kv_pool, self._parts.timeline
+        stream = self._parts.weight_stream
+        stream_stats = dataclasses.asdict(stream.stats()) if stream is not None else {}
         return {
             **self.config.as_dict(),
             "model_path": str(self.model_path),
@@ -264,6 +267,8 @@ class Engine:
             "architecture": self.model_config.architecture,
             "quantization": self._parts.quantization,
             "weights_bytes": self._parts.weights_bytes,
+            "cpu_weight_stream": stream is not None,
+            **{f"cpu_weight_stream_{name}": value for name, value in stream_stats.items()},
             "context_length": self.context_length,
             "attention_backend": self.attention_backend,
             "overlap_schedule": s.overlap,
@@ -306,6 +311,8 @@ class Engine:
         close = getattr(stream, "close", None)
         if close is not None:
             close()
+        if self._parts.weight_stream is not None:
+            self._parts.weight_stream.close()
         if self._ranks is not None:
             self._ranks.close()
 

@@ -42,6 +42,8 @@ from tandem.scheduler.models import (
 from tandem.scheduler.models.source import resolve_model, resolve_tokenizer
 from tandem.scheduler.models.tensor_parallel import SINGLE, TensorParallel
 from tandem.scheduler.models.tiny import cache_root
+from tandem.scheduler.models.weight_stream import WeightStream
+from tandem.scheduler.models.weight_stream import available as weight_stream_available
 from tandem.scheduler.parallel.distributed import RankGroup, StepRelay, per_node, rank_device
 from tandem.scheduler.runner.cpu_step import ForwardThreads
 from tandem.scheduler.runner.cuda_graph import DecodeGraphRunner
@@ -90,6 +92,9 @@ class EngineParts:
     """How the weights are held (``EngineConfig.quantization`` resolved)."""
     weights_bytes: int
     """Memory the model's weights take, every copy the forward reads counted once."""
+    weight_stream: WeightStream | None = None
+    """The thread reading a short step's quantized weights ahead of its products
+    (``models.weight_stream``), or None; the engine closes it at shutdown."""
 
 
 def wire(cfg: EngineConfig, ranks: RankGroup | None = None) -> EngineParts:
@@ -185,6 +190,7 @@ def _wire(
     )
     if device.type == "cpu":
         release_freed_memory()  # the load's temporary buffers, kept by cpu_malloc's settings
+    weight_stream = _weight_stream(cfg, model, forward_threads)
     layout = KVLayout(local.num_hidden_layers, local.num_key_value_heads, local.head_dim, dtype)
     pages = _num_pages(cfg, layout, device, context_length)
     if ranks is not None:
@@ -263,7 +269,23 @@ def _wire(
         scheduler=scheduler,
         quantization=quantization,
         weights_bytes=model.weights_bytes(),
+        weight_stream=weight_stream,
     )
+
+
+def _weight_stream(
+    cfg: EngineConfig, model: CausalLM, threads: ForwardThreads | None
+) -> WeightStream | None:
+    """A weight stream over the model's quantized products when a short step leaves a
+    core free for it (not under ``disable_cpu_weight_stream``): the steps of fewer
+    tokens than a long one tell it where they are. (measurements: docs/benchmarks.md,
+    Measurements behind the code)"""
+    if threads is None or cfg.disable_cpu_weight_stream or threads.short >= threads.long:
+        return None
+    products = model.quant_products()
+    if not products or not weight_stream_available():
+        return None
+    return WeightStream(products, rows_below=threads.long_from_tokens)
 
 
 def _num_pages(

@@ -1,9 +1,10 @@
 """tandem's CPU kernels: its own C++ ops, built on a machine's first CPU start.
 
-Four sources make one library: ``cpu_decode.cpp`` (``decode_attention``),
+Five sources make one library: ``cpu_decode.cpp`` (``decode_attention``),
 ``cpu_fused.cpp`` (the fused ``rms_norm``, ``silu_mul`` and ``rotary``),
-``cpu_linear.cpp`` (the product over weights in panels, ``linear_panels``) and
-``cpu_quant.cpp`` (the same over quantized weights, ``linear_quant``). The first CPU
+``cpu_linear.cpp`` (the product over weights in panels, ``linear_panels``),
+``cpu_quant.cpp`` (the same over quantized weights, ``linear_quant``) and
+``cpu_stream.cpp`` (the weight stream that reads ahead of them). The first CPU
 engine on a machine compiles them against the running torch into ``<cache>/kernels/``;
 later starts load that build, and builds unused for ``UNUSED_FOR_S`` are removed. Without
 a compiler, or when the build fails, the torch formulas stay, with a warning."""
@@ -31,8 +32,12 @@ SOURCES = (
     Path(__file__).with_name("cpu_fused.cpp"),
     Path(__file__).with_name("cpu_linear.cpp"),
     Path(__file__).with_name("cpu_quant.cpp"),
+    Path(__file__).with_name("cpu_stream.cpp"),
 )
-HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by every source
+HEADERS = (  # cpu_math.h: included by every source
+    Path(__file__).with_name("cpu_math.h"),
+    Path(__file__).with_name("cpu_stream.h"),
+)
 COMPILERS = ("c++", "g++", "clang++")
 BUILD_TIMEOUT_S = 600
 UNUSED_FOR_S = 30 * 24 * 3600

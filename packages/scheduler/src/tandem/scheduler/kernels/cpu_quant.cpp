@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_stream.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -546,6 +547,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
     rp = residual->const_data_ptr<float>();
   }
   if (M == 0) return y.view(shape);
+  tandem_cpu::weight_reached(codes.const_data_ptr(), M);
   const float* xp = rows.const_data_ptr<float>();
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = (M + chunks - 1) / chunks;

@@ -32,6 +32,7 @@ from tandem.scheduler.models.packing import (
     with_onednn,
     with_panels,
 )
+from tandem.scheduler.models.quant_panels import QuantPanels
 from tandem.scheduler.models.quantized import QuantizedEmbedding, QuantizedLinear, pack_quantized
 from tandem.scheduler.models.rope import RotaryEmbedding, apply_rotary
 from tandem.scheduler.models.tensor_parallel import (
@@ -400,6 +401,15 @@ class CausalLM(nn.Module):
             quant.append(embedding.head.panels_once())
         copies += [t for q in quant for t in (q.codes, q.scales, q.offsets)]
         return tuple(w for w in copies if w is not None)
+
+    def quant_products(self) -> list[QuantPanels]:
+        """The quantized panels a step multiplies by, in the order it calls them: each
+        layer's q/k/v, o, gate/up and down, then the head (empty unless packed so)."""
+        packed: list[PackedLinear | None] = []
+        for layer in self.model.layers:
+            packed += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
+        packed.append(self.head)
+        return [q for p in packed if p is not None for q in p.quant]
 
     def weights_bytes(self) -> int:
         """Bytes of the weights held: parameters, the layers' copies (oneDNN's layout,
