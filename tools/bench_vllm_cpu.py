@@ -397,7 +397,7 @@ class Server:
         log(f"{self.name} ready after {self.startup_s:.1f} s")
         if self.name == "tandem":
             info = httpx.get(f"{url}/get_server_info", timeout=10, trust_env=False).json()
-            keys = ("quantization", "cpu_int8_activations", "weights_bytes")
+            keys = ("quantization", "cpu_int8_activations", "cpu_weight_stream", "weights_bytes")
             self.weights = {key: info.get(key) for key in keys}
 
     def log_tail(self) -> str:
