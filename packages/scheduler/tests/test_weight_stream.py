@@ -39,8 +39,11 @@ def _panels(rows: int, cols: int, seed: int) -> QuantPanels:
 
 def _read_some(stream: WeightStream, products: list[QuantPanels], x: torch.Tensor) -> None:
     """Products of one row until the stream has read something: its thread runs beside
-    them, so how much it reads by a given point is up to the OS."""
+    them, so how much it reads by a given point is up to the OS (milliseconds; the
+    deadline only turns a stream that never reads into a failure rather than a hang)."""
+    deadline = time.monotonic() + 120
     while stream.stats().lines_read == 0:
+        assert time.monotonic() < deadline, "the weight stream read nothing"
         for panels in products:
             panels(x)
         time.sleep(0.001)

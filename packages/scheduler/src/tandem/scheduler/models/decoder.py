@@ -391,25 +391,27 @@ class CausalLM(nn.Module):
         """Every weight copy the forward to the final norm reads: oneDNN's layout,
         panels or quantized panels (with a quantized embedding's), empty unless packed
         so."""
-        packed: list[PackedLinear | None] = []
-        for layer in self.model.layers:
-            packed += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
-        copies = [w for p in packed if p is not None for w in (p.onednn, p.panels)]
-        quant = [q for p in packed if p is not None for q in p.quant]
+        packed = self._layer_products()
+        copies = [w for p in packed for w in (p.onednn, p.panels)]
+        quant = [q for p in packed for q in p.quant]
         embedding = self.model.embed_tokens
         if isinstance(embedding, QuantizedEmbedding):
             quant.append(embedding.head.panels_once())
-        copies += [t for q in quant for t in (q.codes, q.scales, q.offsets)]
+        copies += [t for q in quant for t in q.tensors]
         return tuple(w for w in copies if w is not None)
 
     def quant_products(self) -> list[QuantPanels]:
         """The quantized panels a step multiplies by, in the order it calls them: each
         layer's q/k/v, o, gate/up and down, then the head (empty unless packed so)."""
-        packed: list[PackedLinear | None] = []
+        heads = [self.head] if self.head is not None else []
+        return [q for p in [*self._layer_products(), *heads] for q in p.quant]
+
+    def _layer_products(self) -> list[PackedLinear]:
+        """The layers' packed products in the order a step calls them (none unpacked)."""
+        packed = []
         for layer in self.model.layers:
             packed += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
-        packed.append(self.head)
-        return [q for p in packed if p is not None for q in p.quant]
+        return [p for p in packed if p is not None]
 
     def weights_bytes(self) -> int:
         """Bytes of the weights held: parameters, the layers' copies (oneDNN's layout,
@@ -417,7 +419,7 @@ class CausalLM(nn.Module):
         tensors = [*self.parameters(), *self.packed_weights()]
         if self.head is not None:
             tensors += [self.head.onednn, self.head.panels]
-            tensors += [t for q in self.head.quant for t in (q.codes, q.scales, q.offsets)]
+            tensors += [t for q in self.head.quant for t in q.tensors]
         held: dict[int, int] = {}
         for t in tensors:
             if t is None or t.device.type == "meta":

@@ -66,10 +66,15 @@ class QuantPanels:
     parts: int = 2
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it holds, in the order a product reads it: codes, scales, offsets."""
+        parts = (self.codes, self.scales, self.offsets)
+        return tuple(t for t in parts if t is not None)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: codes, scales and offsets."""
-        parts = (self.codes, self.scales, self.offsets)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def __call__(
         self,

@@ -51,9 +51,7 @@ class WeightStream:
         firsts: list[int] = []
         for panels in products:
             firsts.append(len(tensors))
-            tensors += [t for t in (panels.codes, panels.scales, panels.offsets) if t is not None]
-        self.products = len(products)
-        self.window_bytes = window_bytes
+            tensors += panels.tensors
         self.rows_below = rows_below
         self._handle: int = torch.ops.tandem.weight_stream_open(
             tensors, firsts, window_bytes, rows_below
