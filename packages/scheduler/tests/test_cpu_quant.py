@@ -2,19 +2,19 @@
 ``kernels/cpu_quant.cpp`` on CPUs with AVX2 and FMA or AVX-512) against dequantize-then-
 multiply: for both kinds of code, every GGUF type it takes (their blocks decoded by
 ``quant_rows``, checked against the ``gguf`` library's dequantization), at row counts
-below, at and above its tiles and its buffered path, output sizes that end mid-panel or
-mid-vector, one to three blocks and one block a row, on one thread and on two; both
-code layouts' repacking; the inputs it refuses; and the AVX2 build on an AVX-512
+below, at and above its tiles and its work items' 64 rows, output sizes that end mid-panel or
+mid-vector, one to three blocks and one block a row, on one thread and on two; the
+code layout's repacking; the inputs it refuses; and the AVX2 build on an AVX-512
 machine, in a child process.
 
-Tolerance, per output, every type alike. The float32 path multiplies the same
-dequantized values as the reference (``scale * code + offset`` in float32), so only the
-sums' order differs: within 1e-5 of ``|x| @ |w|.T + |bias| + |residual|`` (float32
-rounding of a few hundred terms, with margin). The int8 path (AVX512-VNNI) rounds x per
-block to two 8-bit parts (an error of at most ``max|x| / 32,512`` per input, twice the
-rounding's), or with ``parts=1`` to one, as llama.cpp does (``max|x| / 254``), and that
-error times ``|w|`` is added to the bound: the product is the weight's with x as rounded,
-offsets included (they multiply the rounded x's sums)."""
+Tolerance, per output, every type alike: within 1e-5 of ``|x| @ |w|.T + |bias| +
+|residual|`` (float32 rounding of a few hundred terms, with margin), the sums' order
+aside. The int8 dot products round x per block to two 8-bit parts (an error of at most
+``max|x| / 32,512`` per input, twice the rounding's), or with ``parts=1`` to one, as
+llama.cpp does (``max|x| / 254``), and that error times ``|w|`` is added to the bound:
+the product is the weight's with x as rounded, offsets included (they multiply the
+rounded x's sums). The dot products are AVX512-VNNI's, or AVX2's on CPUs without it:
+the same sums, exactly, in integers."""
 
 from __future__ import annotations
 
@@ -30,12 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tandem.scheduler.kernels import cpu_build
-from tandem.scheduler.models.quant_panels import (
-    PANEL_COLUMNS,
-    Layout,
-    QuantPanels,
-    to_quant_panels,
-)
+from tandem.scheduler.models.quant_panels import PANEL_COLUMNS, QuantPanels, to_quant_panels
 from tandem.scheduler.models.quant_rows import KERNEL_TYPES, RowQuant, decode_gguf
 from tandem.scheduler.models.quantized import quant_kernel
 from tandem.scheduler.models.tiny import cache_root
@@ -85,7 +80,7 @@ def _check(
         want, scale = want + b.double(), scale + RELATIVE * b.double().abs()
     if r is not None:
         want, scale = want + r.double(), scale + RELATIVE * r.double().abs()
-    if panels.layout is Layout.INT8 and tokens:
+    if tokens:
         # x's rounding: half a unit of 1 / 127 of the block's largest |x|, or of 1 / 256
         # of that with two parts (twice that here: a rest of exactly half is clamped).
         unit = 254 if panels.parts == 1 else 127 * 256
@@ -104,36 +99,35 @@ def test_the_op_exists_exactly_on_avx2_and_up() -> None:
 
 
 @pytest.mark.parametrize("kind", ["u4", "i8"])
-@pytest.mark.parametrize("layout", list(Layout))
-def test_both_layouts_give_back_every_row(kind: str, layout: Layout) -> None:
+def test_the_panels_give_back_every_row(kind: str) -> None:
     weight = _rows(kind, 100, 64, 32, seed=4)
-    panels = to_quant_panels(weight, layout)
-    per_row = {(Layout.FLOAT, "u4"): 2, (Layout.FLOAT, "i8"): 1}.get((layout, kind))
-    width = PANEL_COLUMNS if layout is Layout.FLOAT else 4 * PANEL_COLUMNS
-    rows = 64 // per_row if per_row else 64 // (8 if kind == "u4" else 4)
-    assert panels.codes.shape == (3, rows, width)
+    panels = to_quant_panels(weight)
+    assert panels.codes.shape == (3, 64 // (8 if kind == "u4" else 4), 4 * PANEL_COLUMNS)
     assert torch.equal(panels.dequantize(), weight.dequantize())
     ids = torch.tensor([[99, 0], [47, 48]])
     assert torch.equal(panels.rows(ids), weight.dequantize()[ids])
 
 
-def test_float_panels_hold_each_columns_codes_side_by_side_two_inputs_a_byte() -> None:
-    weight = _rows("u4", 50, 64, 32, seed=1)
-    panels = to_quant_panels(weight, Layout.FLOAT)
-    assert panels.codes.shape == (2, 32, PANEL_COLUMNS)
+@pytest.mark.parametrize("kind", ["u4", "i8"])
+def test_panels_hold_each_columns_codes_for_four_inputs_side_by_side(kind: str) -> None:
+    weight = _rows(kind, 50, 64, 32, seed=1)
+    panels = to_quant_panels(weight)
+    per_row = 8 if kind == "u4" else 4
+    assert panels.codes.shape == (2, 64 // per_row, 4 * PANEL_COLUMNS)
     assert panels.codes.is_contiguous()
     assert panels.scales.shape == (2, 2, PANEL_COLUMNS)
     for col in (0, 17, 47, 48, 49):
         p, c = divmod(col, PANEL_COLUMNS)
-        byte = panels.codes[p, :, c]
-        assert torch.equal(byte & 15, weight.codes[col, 0::2])
-        assert torch.equal(byte >> 4, weight.codes[col, 1::2])
+        quads = panels.codes[p, :, 4 * c : 4 * c + 4]  # [in / per_row, 4]
+        if kind == "u4":  # inputs 8j..8j+3 in the low nibbles, 8j+4..8j+7 the high
+            codes = torch.cat((quads & 15, quads >> 4), dim=1).flatten()
+        else:  # inputs 4j..4j+3, each plus 128
+            codes = (quads.to(torch.int16) - 128).flatten().to(torch.int8)
+        assert torch.equal(codes, weight.codes[col])
         assert torch.equal(panels.scales[p, :, c], weight.scales[col])
-    assert not panels.codes[1, :, 2:].any()  # zero past the 50th row
+    padding = panels.codes[1, :, 4 * 2 :]  # the columns past the 50th: code 0
+    assert bool((padding == (0 if kind == "u4" else 128)).all())
     assert not panels.scales[1, :, 2:].any()
-    assert torch.equal(panels.dequantize(), weight.dequantize())
-    ids = torch.tensor([[49, 0], [3, 48]])
-    assert torch.equal(panels.rows(ids), weight.dequantize()[ids])
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 65, 130])
@@ -142,7 +136,7 @@ def test_float_panels_hold_each_columns_codes_side_by_side_two_inputs_a_byte() -
     [
         ("u4", 200, 96, 32),  # three blocks, a panel ending mid-vector
         ("u4", 49, 32, 32),  # one block, one column past a panel
-        ("u4", 48, 16, 8),  # the smallest blocks both layouts take
+        ("u4", 48, 16, 8),  # the smallest blocks of 4-bit codes
         ("i8", 100, 64, 32),
         ("i8", 47, 48, 16),  # Q6_K's blocks of 16
         ("i8", 1, 160, 160),  # one block a row, one output
@@ -166,9 +160,8 @@ def test_x_in_one_8_bit_part_as_llama_cpp_rounds_it(tokens: int, kind: str) -> N
     weight = _rows(kind, 100, 96, 32, seed=tokens)
     panels = to_quant_panels(weight, parts=1)
     _check(panels, weight, tokens, bias=True, seed=tokens)
-    if panels.layout is Layout.INT8:  # the float path ignores parts: exact either way
-        x = torch.randn(tokens, 96)
-        assert not torch.equal(panels(x), to_quant_panels(weight)(x))
+    x = torch.randn(tokens, 96)
+    assert not torch.equal(panels(x), to_quant_panels(weight)(x))
 
 
 def _rounded(x: torch.Tensor, block: int, parts: int) -> torch.Tensor:
@@ -187,7 +180,7 @@ def _rounded(x: torch.Tensor, block: int, parts: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("parts", [1, 2])
 @pytest.mark.parametrize("kind", ["u4", "i8"])
-@pytest.mark.parametrize("tokens", [1, 4, 9])
+@pytest.mark.parametrize("tokens", [1, 4, 9, 20])
 def test_the_product_is_the_weights_times_x_as_rounded(parts: int, kind: str, tokens: int) -> None:
     """Offsets too multiply x as rounded, not x itself: the rounding errors then meet
     the weights, of either sign, rather than the codes' steps above the offset, all of
@@ -197,8 +190,7 @@ def test_the_product_is_the_weights_times_x_as_rounded(parts: int, kind: str, to
     weight = _rows(kind, 130, 96, 32, seed=tokens + parts)
     panels = to_quant_panels(weight, parts=parts)
     x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens)) + 0.5
-    # The float path multiplies x itself (``parts`` is the int8 path's).
-    rounded = _rounded(x, 32, parts) if panels.layout is Layout.INT8 else x.double()
+    rounded = _rounded(x, 32, parts)
     dense = weight.dequantize().double()
     want = rounded @ dense.T
     bound = RELATIVE * (rounded.abs() @ dense.abs().T) + 1e-12

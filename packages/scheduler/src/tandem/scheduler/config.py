@@ -64,8 +64,8 @@ class EngineConfig:
             scale per output channel, made at load from float weights (any
             checkpoint); ``none``: every weight dequantized to ``dtype``. Default: ``gguf``
             for a GGUF file on one CPU rank, else ``none``.
-        cpu_int8_activations: with AVX512-VNNI, the quantized products round x to 8
-            bits per block, as llama.cpp does, instead of two 8-bit parts (1 / 65,000
+        cpu_int8_activations: the quantized products round x to 8 bits per block,
+            as llama.cpp does, instead of two 8-bit parts (1 / 65,000
             of each block's largest value): half their work, about twice the speed of
             a batch of 8 or more, and the default model's perplexity a few tenths of a
             percent higher.

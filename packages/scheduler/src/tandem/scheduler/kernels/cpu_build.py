@@ -186,10 +186,10 @@ def bf16_panels() -> bool:
 
 @functools.cache
 def int8_products() -> bool:
-    """Whether the kernels built on this machine multiply quantized weights with
-    AVX512-VNNI's int8 dot products over activations quantized to 8 bits (their own code
-    layout, ``quant_panels``), rather than widening the codes to float32."""
-    return "-mavx512vnni" in _flags()
+    """Whether the kernels built on this machine multiply quantized weights (their own
+    code layout, ``quant_panels``) by activations rounded to 8 bits with int8 dot
+    products: AVX512-VNNI's, or AVX2's on CPUs without it (``kernels/cpu_quant.cpp``)."""
+    return "-mavx2" in _flags()
 
 
 @functools.cache

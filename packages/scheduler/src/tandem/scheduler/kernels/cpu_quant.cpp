@@ -7,19 +7,13 @@
 //   u4: 4-bit codes q in 0..15, w = scale * q + offset (Q4_0, Q4_1, Q4_K);
 //   i8: 8-bit signed codes, w = scale * q (Q8_0, Q6_K, weight-only int8).
 // The codes lie in panels of 48 output columns, as linear_panels' float32 panels do:
-// panel p holds columns 48p..48p+47 (zero past N), row after row of the 48 columns'
-// codes side by side, so that one product reads each panel once, in address order
-// (quant_panels.Layout: for the float path each row is one input, two for 4-bit codes,
-// a byte's nibbles; the int8 path's rows below). Scales, offsets: [P, K / block, 48].
+// panel p holds columns 48p..48p+47 (zero past N), code row after code row of the 48
+// columns' codes side by side (the int8 path's layout below), so that one product reads
+// each panel once, in address order. Scales, offsets: [P, K / block, 48].
 //
-// With AVX512-VNNI the codes multiply x with int8 dot products (the int8 path below).
-// Otherwise a few rows of x (a decode step) multiply in registers: the codes widen to
-// float32 and feed FMAs into per-block partial sums, which are scaled (and the offset
-// times the block's sum of x added) once a block; more rows (a prefill, a large batch)
-// dequantize one panel at a time into a float32 buffer of the thread's, which the rows
-// then multiply by, the dequantization's cost shared by up to 64 rows. This path
-// computes what dequantize-then-multiply computes, up to the float32 sums' order. Either
-// way a token reads 4.5 to 9 bits a weight and no float copy of it.
+// x is rounded per block of the weight's to 8-bit parts, which multiply the codes with
+// int8 dot products: AVX512-VNNI's vpdpbusd, or without it AVX2's vpmaddubsw and
+// vpmaddwd. A token reads 4.5 to 9 bits a weight and no float copy of it.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,188 +38,16 @@ namespace {
 constexpr int64_t kPanel = 48;      // output columns per panel
 constexpr int64_t kChunkRows = 64;  // most rows of x per work item, with one panel
 
-#if defined(__AVX512F__)
-// Sixteen float32 lanes; a pass covers a whole panel row (3 vectors).
-struct Vec {
-  using F = __m512;
-  static constexpr int kLanes = 16;
-  static constexpr int kSmallRows = 4;  // a register tile: 4 x 3 sums and 4 x 3 partials
-  static constexpr int kBigRows = 8;    // a buffered tile: 8 x 3 sums
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static __mmask16 mask(int64_t valid) {
-    return valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (valid > 0 ? valid : 0)) - 1);
-  }
-  static F load_part(const float* p, int64_t valid) {
-    return _mm512_maskz_loadu_ps(mask(valid), p);
-  }
-  static void store_part(float* p, F v, int64_t valid) { _mm512_mask_storeu_ps(p, mask(valid), v); }
-  // The 16 columns' codes for inputs 2j (lo) and 2j + 1 (hi), from their 16 bytes.
-  static void nibbles(const uint8_t* p, F& lo, F& hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-  }
-  static F bytes(const int8_t* p) {
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-};
-#else
-// Eight float32 lanes and sixteen registers: a pass covers half a panel row (3 vectors
-// of 8), so a tile makes two passes over its panel, the second from the cache.
-struct Vec {
-  using F = __m256;
-  static constexpr int kLanes = 8;
-  static constexpr int kSmallRows = 2;
-  static constexpr int kBigRows = 4;
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static __m256i mask(int64_t valid) {
-    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), index);
-  }
-  static F load_part(const float* p, int64_t valid) { return _mm256_maskload_ps(p, mask(valid)); }
-  static void store_part(float* p, F v, int64_t valid) { _mm256_maskstore_ps(p, mask(valid), v); }
-  static void nibbles(const uint8_t* p, F& lo, F& hi) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-  }
-  static F bytes(const int8_t* p) {
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-};
-#endif
-
-constexpr int kV = 3;                             // vectors of a pass
-constexpr int64_t kPass = kV * Vec::kLanes;       // columns of a pass
-constexpr int64_t kPasses = kPanel / kPass;       // 1 with AVX-512, 2 with AVX2
-using F = Vec::F;
-
-// One panel's weight, from its first column `c0` (a pass's): the codes (u4: k-pair
-// rows, i8: k rows, 48 a row), the scales and offsets (null for i8), 48 a block.
-template <typename Code>
-struct Part {
-  const Code* codes;
-  const float* scales;
-  const float* offsets;
-  int64_t block;
-};
-
-// The residual and bias of a tile's rows, and where its sums go.
+// Where a tile's sums go: y at its first column, after its bias and before its residual.
 struct Out {
   const float* bias;  // [cols] or null
   const float* res;   // row-strided like y, or null
   float* y;
   int64_t ldy;
-  int64_t cols;       // valid columns of the pass, 1 to kPass
+  int64_t cols;       // valid columns of the panel, 1 to 48
 };
 
-template <int MR>
-inline void store(F (&acc)[MR][kV], const Out& out) {
-  for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < kV; ++v) {
-      const int64_t valid = out.cols - v * Vec::kLanes;
-      if (valid <= 0) break;
-      F sum = acc[m][v];
-      if (out.res != nullptr) {
-        sum = Vec::add(sum, Vec::load_part(out.res + m * out.ldy + v * Vec::kLanes, valid));
-      }
-      Vec::store_part(out.y + m * out.ldy + v * Vec::kLanes, sum, valid);
-    }
-  }
-}
-
-template <int MR>
-inline void start(F (&acc)[MR][kV], const Out& out) {
-  for (int v = 0; v < kV; ++v) {
-    const F b = out.bias != nullptr
-                    ? Vec::load_part(out.bias + v * Vec::kLanes, out.cols - v * Vec::kLanes)
-                    : Vec::zero();
-    for (int m = 0; m < MR; ++m) acc[m][v] = b;
-  }
-}
-
-// MR rows of x (rows ldx apart; xsum: their sums per block, K / block a row, u4 only)
-// by one pass of a panel, the codes widened in registers.
-template <int MR, typename Code>
-inline void register_tile(const float* x, int64_t ldx, const float* xsum, int64_t K,
-                          const Part<Code>& w, const Out& out) {
-  constexpr bool u4 = std::is_same_v<Code, uint8_t>;
-  F acc[MR][kV];
-  start<MR>(acc, out);
-  const int64_t blocks = K / w.block;
-  for (int64_t b = 0; b < blocks; ++b) {
-    F part[MR][kV];
-    for (int m = 0; m < MR; ++m) {
-      for (int v = 0; v < kV; ++v) part[m][v] = Vec::zero();
-    }
-    const int64_t k0 = b * w.block;
-    if constexpr (u4) {
-      for (int64_t k = k0; k < k0 + w.block; k += 2) {
-        const uint8_t* row = w.codes + (k / 2) * kPanel;
-        for (int v = 0; v < kV; ++v) {
-          F lo, hi;
-          Vec::nibbles(row + v * Vec::kLanes, lo, hi);
-          for (int m = 0; m < MR; ++m) {
-            part[m][v] = Vec::fma(Vec::set1(x[m * ldx + k]), lo, part[m][v]);
-            part[m][v] = Vec::fma(Vec::set1(x[m * ldx + k + 1]), hi, part[m][v]);
-          }
-        }
-      }
-    } else {
-      for (int64_t k = k0; k < k0 + w.block; ++k) {
-        const int8_t* row = w.codes + k * kPanel;
-        for (int v = 0; v < kV; ++v) {
-          const F q = Vec::bytes(row + v * Vec::kLanes);
-          for (int m = 0; m < MR; ++m) {
-            part[m][v] = Vec::fma(Vec::set1(x[m * ldx + k]), q, part[m][v]);
-          }
-        }
-      }
-    }
-    for (int v = 0; v < kV; ++v) {
-      const F scale = Vec::load(w.scales + b * kPanel + v * Vec::kLanes);
-      for (int m = 0; m < MR; ++m) acc[m][v] = Vec::fma(scale, part[m][v], acc[m][v]);
-      if constexpr (u4) {
-        const F offset = Vec::load(w.offsets + b * kPanel + v * Vec::kLanes);
-        for (int m = 0; m < MR; ++m) {
-          acc[m][v] = Vec::fma(offset, Vec::set1(xsum[m * blocks + b]), acc[m][v]);
-        }
-      }
-    }
-  }
-  store<MR>(acc, out);
-}
-
-// MR rows of x by one pass of a dequantized panel (float32, [K, 48]).
-template <int MR>
-inline void float_tile(const float* x, int64_t ldx, int64_t K, const float* panel,
-                       const Out& out) {
-  F acc[MR][kV];
-  start<MR>(acc, out);
-  for (int64_t k = 0; k < K; ++k) {
-    F w[kV];
-    for (int v = 0; v < kV; ++v) w[v] = Vec::load(panel + k * kPanel + v * Vec::kLanes);
-    for (int m = 0; m < MR; ++m) {
-      const F xk = Vec::set1(x[m * ldx + k]);
-      for (int v = 0; v < kV; ++v) acc[m][v] = Vec::fma(xk, w[v], acc[m][v]);
-    }
-  }
-  store<MR>(acc, out);
-}
-
-// Rows [0, M) by one pass in tiles of up to R rows (the rest in one smaller tile):
+// Rows [0, M) in tiles of up to R rows (the rest in one smaller tile):
 // tile(rows, first row) runs a tile of a compile-time row count.
 template <int R, typename Tile>
 inline void in_tiles(int64_t M, Tile tile) {
@@ -239,84 +61,17 @@ inline void in_tiles(int64_t M, Tile tile) {
   }
 }
 
-// Panel p's weights as float32, [K, 48]: buffer[k, c] = scale * q (+ offset).
-template <typename Code>
-void dequantize_panel(const Part<Code>& w, int64_t K, float* buffer) {
-  constexpr bool u4 = std::is_same_v<Code, uint8_t>;
-  for (int64_t b = 0; b < K / w.block; ++b) {
-    for (int v = 0; v < kPanel / Vec::kLanes; ++v) {
-      const F scale = Vec::load(w.scales + b * kPanel + v * Vec::kLanes);
-      const F offset = u4 ? Vec::load(w.offsets + b * kPanel + v * Vec::kLanes) : Vec::zero();
-      for (int64_t k = b * w.block; k < (b + 1) * w.block; k += u4 ? 2 : 1) {
-        float* at = buffer + k * kPanel + v * Vec::kLanes;
-        if constexpr (u4) {
-          F lo, hi;
-          Vec::nibbles(w.codes + (k / 2) * kPanel + v * Vec::kLanes, lo, hi);
-          Vec::store(at, Vec::fma(scale, lo, offset));
-          Vec::store(at + kPanel, Vec::fma(scale, hi, offset));
-        } else {
-          Vec::store(at, Vec::fma(scale, Vec::bytes(w.codes + k * kPanel + v * Vec::kLanes), offset));
-        }
-      }
-    }
-  }
-}
-
-
-constexpr int64_t kBufferedRows = 8;  // a work item of this many rows dequantizes its panel
-
-// One work item: rows [m0, m0 + m) of x ([M, K]) by panel p of a weight with N outputs.
-template <typename Code>
-void run_item(const float* x, const float* xsum, int64_t K, int64_t N, const Code* codes,
-              const float* scales, const float* offsets, int64_t block, const float* bias,
-              const float* res, float* y, int64_t m0, int64_t m, int64_t p,
-              std::vector<float>& buffer) {
-  constexpr bool u4 = std::is_same_v<Code, uint8_t>;
-  const int64_t blocks = K / block, code_rows = u4 ? K / 2 : K;
-  const int64_t n0 = p * kPanel;
-  const int64_t cols = N - n0 < kPanel ? N - n0 : kPanel;
-  const Part<Code> panel{codes + p * code_rows * kPanel, scales + p * blocks * kPanel,
-                         offsets != nullptr ? offsets + p * blocks * kPanel : nullptr, block};
-  const bool buffered = m >= kBufferedRows;
-  if (buffered) {
-    buffer.resize(K * kPanel);
-    dequantize_panel(panel, K, buffer.data());
-  }
-  for (int64_t h = 0; h < kPasses && h * kPass < cols; ++h) {
-    const int64_t c0 = n0 + h * kPass;
-    const auto out = [&](int64_t r) {
-      const int64_t row = m0 + r;
-      return Out{bias != nullptr ? bias + c0 : nullptr,
-                 res != nullptr ? res + row * N + c0 : nullptr, y + row * N + c0, N,
-                 cols - h * kPass < kPass ? cols - h * kPass : kPass};
-    };
-    if (buffered) {
-      const float* pass = buffer.data() + h * kPass;
-      in_tiles<Vec::kBigRows>(m, [&](auto rows, int64_t r) {
-        float_tile<decltype(rows)::value>(x + (m0 + r) * K, K, K, pass, out(r));
-      });
-    } else {
-      const Part<Code> pass{panel.codes + h * kPass, panel.scales + h * kPass,
-                            u4 ? panel.offsets + h * kPass : nullptr, block};
-      in_tiles<Vec::kSmallRows>(m, [&](auto rows, int64_t r) {
-        const float* sums = u4 ? xsum + (m0 + r) * blocks : nullptr;
-        register_tile<decltype(rows)::value>(x + (m0 + r) * K, K, sums, K, pass, out(r));
-      });
-    }
-  }
-}
-
-#if defined(__AVX512VNNI__)
-// The int8 path: each block of codes multiplied by x with vpdpbusd, four products summed
-// into a 32-bit lane per instruction, over x in two 8-bit parts per block of the
-// weight's: x = scale * (q + r / 256) up to scale / 512, q = round(x / scale) and r the
-// rounded rest in units of scale / 256 (an error of 1 / 65,000 of the block's largest
-// |x|). With `parts` 1, x is q alone, as llama.cpp rounds its activations: half the dot
-// products, and a slightly higher perplexity (docs/benchmarks.md). A code row holds, for
-// each of the 48 columns, four bytes side by side: 4-bit codes of inputs 8j..8j+3
-// in their low nibbles and 8j+4..8j+7 in their high ones, or 8-bit codes of inputs
-// 4j..4j+3 plus 128 (vpdpbusd multiplies unsigned bytes by signed ones; the 128 times
-// the block's sum of x's parts is taken off again, exactly, in integers).
+// The int8 path: each block of codes multiplied by x, four products summed into a
+// 32-bit lane (vpdpbusd, or vpmaddubsw and vpmaddwd), over x in two 8-bit parts per
+// block of the weight's: x = scale * (q + r / 256) up to scale / 512, q = round(x /
+// scale) and r the rounded rest in units of scale / 256 (an error of 1 / 65,000 of the
+// block's largest |x|). With `parts` 1, x is q alone, as llama.cpp rounds its
+// activations: half the dot products, and a slightly higher perplexity
+// (docs/benchmarks.md). A code row holds, for each of the 48 columns, four bytes side by
+// side: 4-bit codes of inputs 8j..8j+3 in their low nibbles and 8j+4..8j+7 in their
+// high ones, or 8-bit codes of inputs 4j..4j+3 plus 128 (vpdpbusd multiplies unsigned
+// bytes by signed ones; the 128 times the block's sum of x's parts is taken off again,
+// exactly, in integers, or without VNNI the code's sign moves onto x).
 constexpr int64_t kRow = kPanel * 4;  // bytes of a code row
 
 // x's rows in two 8-bit parts, and per block the scale, the parts' sum, 256 q + r (what
@@ -329,7 +84,8 @@ struct Quantized {
 };
 
 // One block of x (at, `block` values) into its parts at q and r; returns its scale, and
-// its parts' sum through `qsum`.
+// its parts' sum through `qsum`. The same roundings with either width.
+#if defined(__AVX512F__)
 inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q, int8_t* r,
                             int32_t& qsum) {
   float amax = 0.f;
@@ -368,6 +124,63 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
   return scale;
 }
 
+#else
+inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q, int8_t* r,
+                            int32_t& qsum) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= block; k += 8) {
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(at + k), magnitude));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = 0.f;
+  for (const float lane : lanes) amax = std::max(amax, lane);
+  for (int64_t t = k; t < block; ++t) amax = std::max(amax, std::abs(at[t]));
+  const float scale = amax / 127.f;
+  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 vinverse = _mm256_set1_ps(inverse), bound = _mm256_set1_ps(127.f);
+  // The low byte of each 32-bit lane, gathered into the first four bytes of each half.
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, -1, -1, -1, -1);
+  const __m256i halves = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  const auto store8 = [&](int8_t* to, __m256i lanes32) {
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(lanes32, low_bytes),
+                                                      halves);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(to), _mm256_castsi256_si128(bytes));
+  };
+  __m256i vqsum = _mm256_setzero_si256();
+  for (k = 0; k + 8 <= block; k += 8) {
+    const __m256 units = _mm256_mul_ps(_mm256_loadu_ps(at + k), vinverse);  // |units| <= 127
+    const __m256 whole = _mm256_round_ps(units, kNearest);
+    __m256 rest = _mm256_round_ps(
+        _mm256_mul_ps(_mm256_sub_ps(units, whole), _mm256_set1_ps(two ? 256.f : 0.f)), kNearest);
+    rest = _mm256_min_ps(bound, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), bound), rest));
+    const __m256i wq = _mm256_cvtps_epi32(whole), rq = _mm256_cvtps_epi32(rest);
+    store8(q + k, wq);
+    store8(r + k, rq);
+    vqsum = _mm256_add_epi32(vqsum, _mm256_add_epi32(_mm256_slli_epi32(wq, 8), rq));
+  }
+  int32_t sums[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), vqsum);
+  qsum = 0;
+  for (const int32_t lane : sums) qsum += lane;
+  for (int64_t t = k; t < block; ++t) {
+    const float units = at[t] * inverse;
+    const float whole = std::nearbyint(units);
+    const float rest = two ? std::nearbyint((units - whole) * 256.f) : 0.f;
+    q[t] = static_cast<int8_t>(whole);
+    r[t] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, rest)));
+    qsum += 256 * q[t] + r[t];
+  }
+  return scale;
+}
+
+#endif
+
 Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block, bool two) {
   const int64_t groups = M * (K / block);
   Quantized out{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K),
@@ -387,6 +200,53 @@ Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block, bool two
     run(0, groups);
   }
   return out;
+}
+
+#if defined(__AVX512VNNI__)
+// Sixteen float32 lanes; a tile's row of sums is 3 vectors (48 columns).
+struct Vec {
+  using F = __m512;
+  static constexpr int kLanes = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static __mmask16 mask(int64_t valid) {
+    return valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (valid > 0 ? valid : 0)) - 1);
+  }
+  static F load_part(const float* p, int64_t valid) {
+    return _mm512_maskz_loadu_ps(mask(valid), p);
+  }
+  static void store_part(float* p, F v, int64_t valid) { _mm512_mask_storeu_ps(p, mask(valid), v); }
+};
+
+constexpr int kV = 3;  // vectors of a panel's row
+using F = Vec::F;
+
+template <int MR>
+inline void store(F (&acc)[MR][kV], const Out& out) {
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < kV; ++v) {
+      const int64_t valid = out.cols - v * Vec::kLanes;
+      if (valid <= 0) break;
+      F sum = acc[m][v];
+      if (out.res != nullptr) {
+        sum = Vec::add(sum, Vec::load_part(out.res + m * out.ldy + v * Vec::kLanes, valid));
+      }
+      Vec::store_part(out.y + m * out.ldy + v * Vec::kLanes, sum, valid);
+    }
+  }
+}
+
+template <int MR>
+inline void start(F (&acc)[MR][kV], const Out& out) {
+  for (int v = 0; v < kV; ++v) {
+    const F b = out.bias != nullptr
+                    ? Vec::load_part(out.bias + v * Vec::kLanes, out.cols - v * Vec::kLanes)
+                    : Vec::zero();
+    for (int m = 0; m < MR; ++m) acc[m][v] = b;
+  }
 }
 
 // sums += codes (unsigned bytes) times x's four bytes at `at`, repeated in every lane.
@@ -482,6 +342,112 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
 // 4 x 3 and the 4 x 3 float32 sums.
 template <bool Two>
 constexpr int kInt8Rows = Two ? 3 : 4;
+#else
+// Without VNNI (AVX2, or AVX-512 without it), the same layout and parts multiply with
+// vpmaddubsw (unsigned bytes by signed ones, adjacent products summed in 16 bits) and
+// vpmaddwd (adjacent 16-bit sums times 256 for q, 1 for r, summed in 32 bits): the
+// four products of a column gather in its 32-bit lane, as vpdpbusd gathers them. No
+// 16-bit sum saturates: 4-bit codes give 2 x 15 x 127 a pair, from the low nibbles and
+// as much from the high ones; 8-bit codes (their 128 taken off again, XOR 0x80) lend
+// their sign to x (vpsignb) and multiply as magnitudes, 2 x 128 x 127 at most.
+constexpr int kIV = kPanel / 8;  // vectors of a code row: 6
+
+// The first `valid` of eight 32-bit lanes.
+inline __m256i lanes_mask(int64_t valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256i four_bytes(const int8_t* at) {
+  int32_t four;
+  std::memcpy(&four, at, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// One row of quantized x by a panel, its code rows read once, in address order: a
+// decode step's products wait on memory, and a tile over half a panel, its code rows
+// read in two passes, waited longer (docs/benchmarks.md). The block's integer sums fill
+// the 16 registers; the float32 sums gather in an array of the tile's, a block at a
+// time, and y is written once, at the end (a masked store is slow on some CPUs).
+template <int MR, bool U4, bool Two>
+inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
+                      const float* scales, const float* offsets, int64_t block, const Out& out) {
+  static_assert(MR == 1, "a tile of one row");
+  constexpr int64_t per_row = U4 ? 8 : 4;  // inputs a code row covers
+  const int64_t groups = K / block, rows_per_block = block / per_row;
+  alignas(32) float gathered[kPanel];
+  for (int v = 0; v < kIV; ++v) {
+    const int64_t valid = out.cols - v * 8;
+    const __m256 bias = out.bias != nullptr && valid > 0
+                            ? _mm256_maskload_ps(out.bias + v * 8, lanes_mask(valid))
+                            : _mm256_setzero_ps();
+    _mm256_store_ps(gathered + v * 8, bias);
+  }
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+  const int8_t* q = xq.q.data() + row0 * K;
+  const int8_t* r = xq.r.data() + row0 * K;
+  for (int64_t b = 0; b < groups; ++b) {
+    __m256i sums[kIV];  // 256 q + r, summed over the block
+    for (int v = 0; v < kIV; ++v) sums[v] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < rows_per_block; ++i) {
+      const int64_t j = b * rows_per_block + i;
+      const uint8_t* row = codes + j * kRow;
+      const int64_t at = j * per_row;
+      for (int v = 0; v < kIV; ++v) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * v));
+        if constexpr (U4) {
+          const __m256i lo = _mm256_and_si256(raw, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          const auto pairs = [&](const int8_t* x) {
+            return _mm256_add_epi16(_mm256_maddubs_epi16(lo, four_bytes(x + at)),
+                                    _mm256_maddubs_epi16(hi, four_bytes(x + at + 4)));
+          };
+          sums[v] = _mm256_add_epi32(sums[v], _mm256_madd_epi16(pairs(q), k256));
+          if constexpr (Two) {
+            sums[v] = _mm256_add_epi32(sums[v], _mm256_madd_epi16(pairs(r), ones));
+          }
+        } else {
+          const __m256i code = _mm256_xor_si256(raw, flip);
+          const __m256i magnitude = _mm256_abs_epi8(code);
+          const auto pairs = [&](const int8_t* x) {
+            return _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(four_bytes(x + at), code));
+          };
+          sums[v] = _mm256_add_epi32(sums[v], _mm256_madd_epi16(pairs(q), k256));
+          if constexpr (Two) {
+            sums[v] = _mm256_add_epi32(sums[v], _mm256_madd_epi16(pairs(r), ones));
+          }
+        }
+      }
+    }
+    const int64_t g = row0 * groups + b;
+    const __m256 unit = _mm256_set1_ps(xq.scale[g] / 256.f), sum_x = _mm256_set1_ps(xq.sum[g]);
+    for (int v = 0; v < kIV; ++v) {
+      const __m256 step = _mm256_mul_ps(_mm256_loadu_ps(scales + b * kPanel + v * 8), unit);
+      __m256 sum = _mm256_fmadd_ps(step, _mm256_cvtepi32_ps(sums[v]),
+                                   _mm256_load_ps(gathered + v * 8));
+      if constexpr (U4) {
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + b * kPanel + v * 8), sum_x, sum);
+      }
+      _mm256_store_ps(gathered + v * 8, sum);
+    }
+  }
+  for (int v = 0; v < kIV; ++v) {
+    const int64_t valid = out.cols - v * 8;
+    if (valid <= 0) break;
+    const __m256i mask = lanes_mask(valid);
+    __m256 sum = _mm256_load_ps(gathered + v * 8);
+    if (out.res != nullptr) sum = _mm256_add_ps(sum, _mm256_maskload_ps(out.res + v * 8, mask));
+    if (valid >= 8) {
+      _mm256_storeu_ps(out.y + v * 8, sum);
+    } else {
+      _mm256_maskstore_ps(out.y + v * 8, mask, sum);
+    }
+  }
+}
+
+template <bool Two>
+constexpr int kInt8Rows = 1;
 #endif  // __AVX512VNNI__
 
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -494,16 +460,9 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   const bool u4 = offsets.has_value() && offsets->defined();  // 4-bit codes have offsets
   const int64_t K = x.dim() >= 1 ? x.size(-1) : 0, N = out_features;
   // Inputs per code row: a block must hold whole rows.
-#if defined(__AVX512VNNI__)
   const int64_t per_row = u4 ? 8 : 4, width = kRow;
   TORCH_CHECK(codes.scalar_type() == at::kByte,
-              "tandem::linear_quant: codes are uint8 in this build, got ", codes.scalar_type());
-#else
-  const int64_t per_row = u4 ? 2 : 1, width = kPanel;
-  TORCH_CHECK(codes.scalar_type() == (u4 ? at::kByte : at::kChar),
-              "tandem::linear_quant: codes are uint8 (4-bit pairs, with offsets) or int8 "
-              "(without), got ", codes.scalar_type(), u4 ? " with offsets" : " without");
-#endif
+              "tandem::linear_quant: codes are uint8, got ", codes.scalar_type());
   TORCH_CHECK(K > 0 && block > 0 && K % block == 0 && block % per_row == 0,
               "tandem::linear_quant: x's ", K, " features are not whole blocks of ", block,
               " (a block a multiple of ", per_row, ")");
@@ -556,19 +515,18 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   float* yp = y.data_ptr<float>();
   const auto items = [&](auto&& run) {
     tandem_cpu::for_each_item(
-        chunks * P, [] { return std::vector<float>(); },
-        [&](int64_t item, std::vector<float>& buffer) {
+        chunks * P, [] { return 0; },
+        [&](int64_t item, int) {
           const int64_t chunk = item / P, p = item % P, m0 = chunk * chunk_rows;
-          run(m0, M - m0 < chunk_rows ? M - m0 : chunk_rows, p, buffer);
+          run(m0, M - m0 < chunk_rows ? M - m0 : chunk_rows, p);
         });
   };
-#if defined(__AVX512VNNI__)
-  const Quantized xq = quantize(xp, M, K, block, parts == 2);
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
   const int64_t groups = K / block;
+  const Quantized xq = quantize(xp, M, K, block, parts == 2);
   const auto product = [&](auto u4_tag, auto two_tag) {
     constexpr bool U4 = decltype(u4_tag)::value, Two = decltype(two_tag)::value;
-    items([&](int64_t m0, int64_t m, int64_t p, std::vector<float>&) {
+    items([&](int64_t m0, int64_t m, int64_t p) {
       const int64_t n0 = p * kPanel;
       const uint8_t* panel = cp + p * rows_of_k * kRow;
       const float* ps = sp + p * groups * kPanel;
@@ -577,7 +535,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
         const int64_t row = m0 + r;
         const Out out{bp != nullptr ? bp + n0 : nullptr,
                       rp != nullptr ? rp + row * N + n0 : nullptr, yp + row * N + n0, N,
-                      N - n0 < kPanel ? N - n0 : kPanel};
+                      std::min(N - n0, kPanel)};
         int8_tile<decltype(tile_rows)::value, U4, Two>(xq, row, K, panel, ps, po, block, out);
       });
     });
@@ -588,27 +546,6 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   if (u4 && parts == 1) product(Yes{}, No{});
   if (!u4 && parts == 2) product(No{}, Yes{});
   if (!u4 && parts == 1) product(No{}, No{});
-#else
-  // Each row's sum over each block: what an offset multiplies.
-  const int64_t blocks = K / block;
-  std::vector<float> xsum(u4 ? M * blocks : 0);
-  for (int64_t i = 0; u4 && i < M * blocks; ++i) {
-    const float* at = xp + i * block;
-    float sum = 0.f;
-    for (int64_t k = 0; k < block; ++k) sum += at[k];
-    xsum[i] = sum;
-  }
-  const auto product = [&](const auto* cp) {
-    items([&](int64_t m0, int64_t m, int64_t p, std::vector<float>& buffer) {
-      run_item(xp, xsum.data(), K, N, cp, sp, op, block, bp, rp, yp, m0, m, p, buffer);
-    });
-  };
-  if (u4) {
-    product(codes.const_data_ptr<uint8_t>());
-  } else {
-    product(codes.const_data_ptr<int8_t>());
-  }
-#endif
   return y.view(shape);
 }
 

@@ -3,19 +3,16 @@
 A weight in row form (``quant_rows.RowQuant``: codes with a scale, and for 4-bit codes
 an offset, per block of each row's inputs) is repacked once, at load, into panels of
 ``PANEL_COLUMNS`` output columns, its scales and offsets beside them, in the layout the
-machine's kernel reads in address order (``Layout``). The embedding reads its rows from
-the same panels, so a tied head and embedding share one copy.
+kernel's int8 dot products read in address order (``QuantPanels``). The embedding reads
+its rows from the same panels, so a tied head and embedding share one copy.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
-from tandem.scheduler.kernels import cpu_build
 
 if TYPE_CHECKING:  # quant_rows brings the gguf library, slow to import
     from tandem.scheduler.models.quant_rows import RowQuant
@@ -24,33 +21,17 @@ PANEL_COLUMNS = 48
 """Output columns per panel: the width ``kernels/cpu_quant.cpp`` reads."""
 
 
-class Layout(enum.Enum):
-    """How a panel's codes lie.
-
-    ``FLOAT``: the kernel widens the codes to float32 (AVX2, AVX-512 without VNNI). For
-    each input the panel's 48 columns side by side: 4-bit codes two to a byte (inputs
-    2j, 2j + 1 in the low and high nibble), ``[P, in / 2, 48]`` uint8; 8-bit codes
-    ``[P, in, 48]`` int8. ``INT8``: the kernel's int8 dot products (AVX512-VNNI). Each
-    column's codes for 4 inputs side by side: 4-bit codes of inputs 8j..8j+3 in the low
-    nibbles and 8j+4..8j+7 in the high ones, ``[P, in / 8, 192]``; 8-bit codes of inputs
-    4j..4j+3 plus 128, ``[P, in / 4, 192]``, both uint8."""
-
-    FLOAT = "float"
-    INT8 = "int8"
-
-    @classmethod
-    def native(cls) -> Layout:
-        """The layout the kernels built on this machine read."""
-        return cls.INT8 if cpu_build.int8_products() else cls.FLOAT
-
-
 @dataclass(frozen=True)
 class QuantPanels:
     """A ``[out_features, in_features]`` weight in quantized panels.
 
-    ``codes`` in ``layout``; ``scales`` and ``offsets`` (4-bit codes only): ``[P, in /
-    block, 48]`` float32; columns past ``out_features`` are zero. ``qtype``: the
-    source's type name (``Q4_1``, ``int8``), for messages and memory reports.
+    ``codes``: for each panel of 48 output columns, code rows of each column's codes
+    for 4 inputs side by side: 4-bit codes of inputs 8j..8j+3 in the low nibbles and
+    8j+4..8j+7 in the high ones, ``[P, in / 8, 192]``; 8-bit codes of inputs 4j..4j+3
+    plus 128, ``[P, in / 4, 192]``, both uint8. ``scales`` and ``offsets`` (4-bit codes
+    only): ``[P, in / block, 48]`` float32; columns past ``out_features`` are zero.
+    ``qtype``: the source's type name (``Q4_1``, ``int8``), for messages and memory
+    reports.
     """
 
     codes: torch.Tensor
@@ -60,8 +41,7 @@ class QuantPanels:
     out_features: int
     in_features: int
     qtype: str
-    layout: Layout = Layout.FLOAT
-    # x's 8-bit parts in the int8 layout's products: 2 (an error of 1 / 65,000 of each
+    # x's 8-bit parts in the int8 products: 2 (an error of 1 / 65,000 of each
     # block's largest value) or 1 (llama.cpp's rounding, half the work); see the kernel.
     parts: int = 2
 
@@ -101,17 +81,12 @@ class QuantPanels:
         flat = index.reshape(-1)
         panel, column = flat // PANEL_COLUMNS, flat % PANEL_COLUMNS
         four = self.offsets is not None
-        if self.layout is Layout.FLOAT:
-            codes = self.codes[panel, :, column]  # [n, in / 2] or [n, in]
-            pairs = (codes & 15, codes >> 4)
-            values = torch.stack(pairs, dim=-1).flatten(1) if four else codes
+        rows = self.codes.shape[1]
+        quads = self.codes.view(-1, rows, PANEL_COLUMNS, 4)[panel, :, column]  # [n, rows, 4]
+        if four:
+            values = torch.stack((quads & 15, quads >> 4), dim=2).flatten(1)
         else:
-            rows = self.codes.shape[1]
-            quads = self.codes.view(-1, rows, PANEL_COLUMNS, 4)[panel, :, column]  # [n, rows, 4]
-            if four:
-                values = torch.stack((quads & 15, quads >> 4), dim=2).flatten(1)
-            else:
-                values = quads.flatten(1).to(torch.int16) - 128
+            values = quads.flatten(1).to(torch.int16) - 128
         values = values.float()
         blocks = self.scales[panel, :, column].repeat_interleave(self.block, dim=1)
         out = values * blocks
@@ -125,22 +100,15 @@ class QuantPanels:
 
 
 @torch.no_grad()
-def to_quant_panels(weight: RowQuant, layout: Layout | None = None, parts: int = 2) -> QuantPanels:
-    """``weight`` (row form) repacked into panels in ``layout`` (default: this machine's
-    kernel's, ``Layout.native``), multiplied by x in ``parts``; see ``QuantPanels``."""
-    layout = Layout.native() if layout is None else layout
+def to_quant_panels(weight: RowQuant, parts: int = 2) -> QuantPanels:
+    """``weight`` (row form) repacked into panels, multiplied by x in ``parts``; see
+    ``QuantPanels``."""
     rows, cols = weight.codes.shape
     count = -(-rows // PANEL_COLUMNS)
     padded = weight.codes.new_zeros(count * PANEL_COLUMNS, cols)
     padded[:rows].copy_(weight.codes)
     by_panel = padded.view(count, PANEL_COLUMNS, cols)
-    four = weight.codes.dtype == torch.uint8
-    if layout is Layout.FLOAT and four:
-        pairs = by_panel.view(count, PANEL_COLUMNS, cols // 2, 2)
-        codes = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
-    elif layout is Layout.FLOAT:
-        codes = by_panel.transpose(1, 2).contiguous()
-    elif four:  # octets: inputs 8j..8j+3 low, 8j+4..8j+7 high
+    if weight.codes.dtype == torch.uint8:  # octets: inputs 8j..8j+3 low, 8j+4..8j+7 high
         octets = by_panel.view(count, PANEL_COLUMNS, cols // 8, 2, 4)
         packed = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)  # [P, 48, in / 8, 4]
         codes = packed.permute(0, 2, 1, 3).reshape(count, cols // 8, 4 * PANEL_COLUMNS)
@@ -156,6 +124,4 @@ def to_quant_panels(weight: RowQuant, layout: Layout | None = None, parts: int =
 
     offsets = None if weight.offsets is None else per_block(weight.offsets)
     scales = per_block(weight.scales)
-    return QuantPanels(
-        codes, scales, offsets, weight.block, rows, cols, weight.qtype, layout, parts
-    )
+    return QuantPanels(codes, scales, offsets, weight.block, rows, cols, weight.qtype, parts)
