@@ -21,6 +21,9 @@ from typing import Any
 
 import httpx
 
+from tandem.scheduler.kernels import cpu_build
+from tandem.scheduler.models.tiny import cache_root
+
 TINY_MODEL = "tandem-tiny"  # tandem.scheduler.models.source.TINY_MODEL
 
 
@@ -40,8 +43,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def share_kernels(cache_dir: Path) -> None:
+    """Give a server whose cache is ``cache_dir`` the CPU kernels this machine built once
+    (in this process's cache, under a lock): each server would otherwise build them into
+    its own new cache, a minute on two slow cores, and several building at once overran
+    the wait for a healthy server."""
+    shared = cache_root() / "kernels"
+    cpu_build.load_cpu_kernels(shared)
+    link = cache_root(cache_dir) / "kernels"
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared, target_is_directory=True)
+
+
 @contextmanager
 def live_server(cache_dir: Path, *extra: str, timeout_s: float = 120.0) -> Iterator[LiveServer]:
+    share_kernels(cache_dir)
     # free_port's port is free when it returns, not when the server binds it: another
     # test's process (or this server's own rendezvous and gloo sockets) may take it in
     # between. A server that lost that race starts again on a fresh port.
