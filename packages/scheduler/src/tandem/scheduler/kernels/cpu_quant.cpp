@@ -83,25 +83,28 @@ struct Quantized {
   std::vector<int32_t> qsum;
 };
 
-// One block of x (at, `block` values) into its parts at q and r; returns its scale, and
-// its parts' sum through `qsum`. The same roundings with either width.
+// Two helpers of quantize_block, one vector width each: the block's largest |x|, and its
+// values rounded to their parts (units: x times `inverse`) a vector at a time, the sum
+// of 256 q + r added to `qsum`; returns where the vectors stopped.
 #if defined(__AVX512F__)
-inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q, int8_t* r,
-                            int32_t& qsum) {
-  float amax = 0.f;
-  int64_t k = 0;
+inline float largest(const float* at, int64_t block) {
   __m512 vmax = _mm512_setzero_ps();
+  int64_t k = 0;
   for (; k + 16 <= block; k += 16) {
     vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(at + k)));
   }
-  amax = _mm512_reduce_max_ps(vmax);
-  for (int64_t t = k; t < block; ++t) amax = std::max(amax, std::abs(at[t]));
-  const float scale = amax / 127.f;
-  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; k < block; ++k) amax = std::max(amax, std::abs(at[k]));
+  return amax;
+}
+
+inline int64_t round_vectors(const float* at, int64_t block, float inverse, bool two, int8_t* q,
+                             int8_t* r, int32_t& qsum) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m512 vinverse = _mm512_set1_ps(inverse), bound = _mm512_set1_ps(127.f);
   __m512i vqsum = _mm512_setzero_si512();
-  for (k = 0; k + 16 <= block; k += 16) {
+  int64_t k = 0;
+  for (; k + 16 <= block; k += 16) {
     const __m512 units = _mm512_mul_ps(_mm512_loadu_ps(at + k), vinverse);  // |units| <= 127
     const __m512 whole = _mm512_roundscale_ps(units, kNearest);
     __m512 rest = _mm512_roundscale_ps(
@@ -112,21 +115,11 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(r + k), _mm512_cvtsepi32_epi8(rq));
     vqsum = _mm512_add_epi32(vqsum, _mm512_add_epi32(_mm512_slli_epi32(wq, 8), rq));
   }
-  qsum = _mm512_reduce_add_epi32(vqsum);
-  for (int64_t t = k; t < block; ++t) {
-    const float units = at[t] * inverse;
-    const float whole = std::nearbyint(units);
-    const float rest = two ? std::nearbyint((units - whole) * 256.f) : 0.f;
-    q[t] = static_cast<int8_t>(whole);
-    r[t] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, rest)));
-    qsum += 256 * q[t] + r[t];
-  }
-  return scale;
+  qsum += _mm512_reduce_add_epi32(vqsum);
+  return k;
 }
-
 #else
-inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q, int8_t* r,
-                            int32_t& qsum) {
+inline float largest(const float* at, int64_t block) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 vmax = _mm256_setzero_ps();
   int64_t k = 0;
@@ -137,9 +130,12 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
   _mm256_storeu_ps(lanes, vmax);
   float amax = 0.f;
   for (const float lane : lanes) amax = std::max(amax, lane);
-  for (int64_t t = k; t < block; ++t) amax = std::max(amax, std::abs(at[t]));
-  const float scale = amax / 127.f;
-  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  for (; k < block; ++k) amax = std::max(amax, std::abs(at[k]));
+  return amax;
+}
+
+inline int64_t round_vectors(const float* at, int64_t block, float inverse, bool two, int8_t* q,
+                             int8_t* r, int32_t& qsum) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m256 vinverse = _mm256_set1_ps(inverse), bound = _mm256_set1_ps(127.f);
   // The low byte of each 32-bit lane, gathered into the first four bytes of each half.
@@ -153,7 +149,8 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
     _mm_storel_epi64(reinterpret_cast<__m128i*>(to), _mm256_castsi256_si128(bytes));
   };
   __m256i vqsum = _mm256_setzero_si256();
-  for (k = 0; k + 8 <= block; k += 8) {
+  int64_t k = 0;
+  for (; k + 8 <= block; k += 8) {
     const __m256 units = _mm256_mul_ps(_mm256_loadu_ps(at + k), vinverse);  // |units| <= 127
     const __m256 whole = _mm256_round_ps(units, kNearest);
     __m256 rest = _mm256_round_ps(
@@ -166,9 +163,20 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
   }
   int32_t sums[8];
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), vqsum);
-  qsum = 0;
   for (const int32_t lane : sums) qsum += lane;
-  for (int64_t t = k; t < block; ++t) {
+  return k;
+}
+#endif
+
+// One block of x (at, `block` values) into its parts at q and r; returns its scale, and
+// its parts' sum through `qsum`. The same roundings with either width.
+inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q, int8_t* r,
+                            int32_t& qsum) {
+  const float amax = largest(at, block);
+  const float scale = amax / 127.f;
+  const float inverse = amax > 0.f ? 1.f / scale : 0.f;
+  qsum = 0;
+  for (int64_t t = round_vectors(at, block, inverse, two, q, r, qsum); t < block; ++t) {
     const float units = at[t] * inverse;
     const float whole = std::nearbyint(units);
     const float rest = two ? std::nearbyint((units - whole) * 256.f) : 0.f;
@@ -178,8 +186,6 @@ inline float quantize_block(const float* at, int64_t block, bool two, int8_t* q,
   }
   return scale;
 }
-
-#endif
 
 Quantized quantize(const float* x, int64_t M, int64_t K, int64_t block, bool two) {
   const int64_t groups = M * (K / block);
