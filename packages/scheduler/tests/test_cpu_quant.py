@@ -45,13 +45,19 @@ def kernels() -> None:
     assert cpu_build.load_cpu_kernels(cache_root() / "kernels")
 
 
-def _rows(kind: str, rows: int, cols: int, block: int, seed: int) -> RowQuant:
+def _rows(kind: str, rows: int, cols: int, block: int, seed: int, half: bool = False) -> RowQuant:
+    """Random codes with float32 scales (and offsets), or with ``half`` values exact in
+    float16, which the panels then hold in it."""
     gen = torch.Generator().manual_seed(seed)
     groups = (rows, cols // block)
-    scales = torch.rand(groups, generator=gen) * 0.02
+
+    def values(t: torch.Tensor) -> torch.Tensor:
+        return t.half().float() if half else t
+
+    scales = values(torch.rand(groups, generator=gen) * 0.02)
     if kind == "u4":
         codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
-        offsets = (torch.rand(groups, generator=gen) - 0.5) * 0.1
+        offsets = values((torch.rand(groups, generator=gen) - 0.5) * 0.1)
         return RowQuant(codes, scales, offsets, block, "u4-test")
     codes = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8)
     return RowQuant(codes, scales, None, block, "i8-test")
@@ -130,6 +136,24 @@ def test_panels_hold_each_columns_codes_for_four_inputs_side_by_side(kind: str) 
     assert not panels.scales[1, :, 2:].any()
 
 
+@pytest.mark.parametrize("kind", ["u4", "i8"])
+def test_scales_exact_in_float16_are_held_in_it(kind: str) -> None:
+    exact = to_quant_panels(_rows(kind, 100, 64, 32, seed=3, half=True))
+    assert exact.scales.dtype == torch.float16
+    assert exact.offsets is None or exact.offsets.dtype == torch.float16
+    # A Q4_1 block of 32 then takes 16 bytes of codes and 2 + 2 of scale and offset.
+    per_block = (16 + 2 + 2) if kind == "u4" else (32 + 2)
+    assert exact.nbytes == 3 * PANEL_COLUMNS * (64 // 32) * per_block
+    assert torch.equal(exact.dequantize(), _rows(kind, 100, 64, 32, seed=3, half=True).dequantize())
+    assert to_quant_panels(_rows(kind, 100, 64, 32, seed=3)).scales.dtype == torch.float32
+    if kind == "u4":  # float16 only where the offsets are exact in it too
+        weight = _rows(kind, 100, 64, 32, seed=3, half=True)
+        inexact = RowQuant(weight.codes, weight.scales, weight.offsets + 1e-6, 32, "u4-test")
+        panels = to_quant_panels(inexact)
+        assert panels.scales.dtype == panels.offsets.dtype == torch.float32
+
+
+@pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("tokens", [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 65, 130])
 @pytest.mark.parametrize(
     ("kind", "rows", "cols", "block"),
@@ -144,12 +168,14 @@ def test_panels_hold_each_columns_codes_for_four_inputs_side_by_side(kind: str) 
     ],
 )
 def test_the_product_equals_dequantize_then_multiply(
-    tokens: int, kind: str, rows: int, cols: int, block: int
+    tokens: int, kind: str, rows: int, cols: int, block: int, half: bool
 ) -> None:
     if not QUANT:
         return  # test_the_op_exists_exactly_on_avx2_and_up checks it is absent
-    weight = _rows(kind, rows, cols, block, seed=rows + cols)
-    _check(to_quant_panels(weight), weight, tokens, seed=tokens)
+    weight = _rows(kind, rows, cols, block, seed=rows + cols, half=half)
+    panels = to_quant_panels(weight)
+    assert panels.scales.dtype == (torch.float16 if half else torch.float32)
+    _check(panels, weight, tokens, seed=tokens)
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 5, 9, 70])
@@ -268,6 +294,8 @@ def test_bad_operands_are_refused_naming_the_problem() -> None:
     _refused("codes must be a contiguous", x, u4.codes[:, :1], u4.scales, u4.offsets, 32, None, 60)
     _refused("output features", x, *op, None, 97)
     _refused("scales must be", x, u4.codes, u4.scales[:, :1], u4.offsets, 32, None, 60)
+    _refused("scales must be", x, u4.codes, u4.scales.double(), u4.offsets, 32, None, 60)
+    _refused("typed as the scales", x, u4.codes, u4.scales, u4.offsets.half(), 32, None, 60)
     # 4-bit codes are the ones with offsets: swapped, their layout does not fit.
     _refused("codes", x, u4.codes, u4.scales, None, 32, None, 60)
     _refused("codes", x, i8.codes, i8.scales, i8.scales, 32, None, 60)
@@ -286,8 +314,9 @@ assert cpu_build.panel_halves()  # the AVX2 build
 import test_cpu_quant as t
 for tokens in (0, 1, 2, 3, 5, 9, 65):
     for kind, rows, cols, block in (("u4", 200, 96, 32), ("i8", 47, 48, 16), ("i8", 1, 40, 8)):
-        weight = t._rows(kind, rows, cols, block, seed=tokens)
-        t._check(t.to_quant_panels(weight), weight, tokens, bias=True, residual=True)
+        for half in (False, True):
+            weight = t._rows(kind, rows, cols, block, seed=tokens, half=half)
+            t._check(t.to_quant_panels(weight), weight, tokens, bias=True, residual=True)
 print("ok")
 """
 

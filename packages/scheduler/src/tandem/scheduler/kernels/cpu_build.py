@@ -143,7 +143,7 @@ def _flags() -> list[str]:
     if platform.machine() in ("x86_64", "AMD64"):
         capability = torch.backends.cpu.get_cpu_capability()
         if capability in ("AVX2", "AVX512"):
-            flags += ["-mavx2", "-mfma"]
+            flags += ["-mavx2", "-mfma", "-mf16c"]
         if capability == "AVX512":
             flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
             if _has_avx512_bf16():

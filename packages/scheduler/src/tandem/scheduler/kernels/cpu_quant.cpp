@@ -1,6 +1,6 @@
 // tandem's product by a quantized weight: y = x @ weight^T (+ bias) (+ residual), x and
-// y float32, the weight kept in small integer codes with a float32 scale (and offset)
-// per block of inputs of each output column. Registered as torch.ops.tandem.linear_quant
+// y float32, the weight kept in small integer codes with a scale (and offset) per block
+// of inputs of each output column. Registered as torch.ops.tandem.linear_quant
 // on CPUs with AVX-512, or AVX2 and FMA; models/quant_panels.py lays the weights out.
 //
 // Two kinds of code cover the GGUF types tandem keeps quantized (models/quant_rows.py):
@@ -9,7 +9,9 @@
 // The codes lie in panels of 48 output columns, as linear_panels' float32 panels do:
 // panel p holds columns 48p..48p+47 (zero past N), code row after code row of the 48
 // columns' codes side by side (the int8 path's layout below), so that one product reads
-// each panel once, in address order. Scales, offsets: [P, K / block, 48].
+// each panel once, in address order. Scales, offsets: [P, K / block, 48], float32, or
+// float16 where each of the weight's is exact in it (Q4_0, Q4_1 and Q8_0 carry float16
+// scales): a Q4_1 weight then reads 20 bytes per 32 inputs, as its file holds it.
 //
 // x is rounded per block of the weight's to 8-bit parts, which multiply the codes with
 // int8 dot products: AVX512-VNNI's vpdpbusd, or without it AVX2's vpmaddubsw and
@@ -73,6 +75,24 @@ inline void in_tiles(int64_t M, Tile tile) {
 // bytes by signed ones; the 128 times the block's sum of x's parts is taken off again,
 // exactly, in integers, or without VNNI the code's sign moves onto x).
 constexpr int64_t kRow = kPanel * 4;  // bytes of a code row
+
+// A block's scales (or offsets) of `lanes` columns as float32, from either type they
+// are held in.
+using Half = uint16_t;  // float16's bits
+template <typename T>
+struct Type {  // a type as a value, for the dispatch in linear_quant
+  using type = T;
+};
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // x's rows in two 8-bit parts, and per block the scale, the parts' sum, 256 q + r (what
 // the +128 adds), and the sum of x as rounded, scale * (256 q + r) / 256 (what an offset
@@ -268,9 +288,9 @@ inline __m512i dot(__m512i sums, __m512i codes, const int8_t* at) {
 // code row without spilling (GCC spilled the sums inside the loop with them in
 // registers too), and the L1 round trip a block costs little beside its dot products.
 // A one-row tile, and tiles over one part, keep their sums in registers.
-template <int MR, bool U4, bool Two>
+template <int MR, bool U4, bool Two, typename S>
 inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
-                      const float* scales, const float* offsets, int64_t block, const Out& out) {
+                      const S* scales, const S* offsets, int64_t block, const Out& out) {
   constexpr int64_t per_row = U4 ? 8 : 4;  // inputs a code row covers
   const int64_t groups = K / block, rows_per_block = block / per_row;
   constexpr bool in_y = Two && MR > 1;  // where the float32 sums gather
@@ -318,8 +338,8 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
     for (int v = 0; v < kV; ++v) {
       const int64_t valid = out.cols - v * Vec::kLanes;
       if (in_y && valid <= 0) break;
-      const F scale = Vec::load(scales + b * kPanel + v * Vec::kLanes);
-      const F offset = U4 ? Vec::load(offsets + b * kPanel + v * Vec::kLanes) : Vec::zero();
+      const F scale = load16(scales + b * kPanel + v * Vec::kLanes);
+      const F offset = U4 ? load16(offsets + b * kPanel + v * Vec::kLanes) : Vec::zero();
       for (int m = 0; m < MR; ++m) {
         const int64_t g = (row0 + m) * groups + b;
         // 256 q + r, exactly, in 32 bits (at most 2^28 for a block of 32)
@@ -375,9 +395,9 @@ inline __m256i four_bytes(const int8_t* at) {
 // read in two passes, waited longer (docs/benchmarks.md). The block's integer sums fill
 // the 16 registers; the float32 sums gather in an array of the tile's, a block at a
 // time, and y is written once, at the end (a masked store is slow on some CPUs).
-template <int MR, bool U4, bool Two>
+template <int MR, bool U4, bool Two, typename S>
 inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_t* codes,
-                      const float* scales, const float* offsets, int64_t block, const Out& out) {
+                      const S* scales, const S* offsets, int64_t block, const Out& out) {
   static_assert(MR == 1, "a tile of one row");
   constexpr int64_t per_row = U4 ? 8 : 4;  // inputs a code row covers
   const int64_t groups = K / block, rows_per_block = block / per_row;
@@ -429,11 +449,11 @@ inline void int8_tile(const Quantized& xq, int64_t row0, int64_t K, const uint8_
     const int64_t g = row0 * groups + b;
     const __m256 unit = _mm256_set1_ps(xq.scale[g] / 256.f), sum_x = _mm256_set1_ps(xq.sum[g]);
     for (int v = 0; v < kIV; ++v) {
-      const __m256 step = _mm256_mul_ps(_mm256_loadu_ps(scales + b * kPanel + v * 8), unit);
+      const __m256 step = _mm256_mul_ps(load8(scales + b * kPanel + v * 8), unit);
       __m256 sum = _mm256_fmadd_ps(step, _mm256_cvtepi32_ps(sums[v]),
                                    _mm256_load_ps(gathered + v * 8));
       if constexpr (U4) {
-        sum = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + b * kPanel + v * 8), sum_x, sum);
+        sum = _mm256_fmadd_ps(load8(offsets + b * kPanel + v * 8), sum_x, sum);
       }
       _mm256_store_ps(gathered + v * 8, sum);
     }
@@ -482,14 +502,16 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
               " panels hold ", (P - 1) * kPanel + 1, " to ", P * kPanel, " output features, not ",
               N);
   const std::vector<int64_t> per_block{P, K / block, kPanel};
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef(per_block),
-              "tandem::linear_quant: the scales must be a contiguous float32 ",
-              at::IntArrayRef(per_block), " tensor, got ", scales.sizes());
+              "tandem::linear_quant: the scales must be a contiguous float32 or float16 ",
+              at::IntArrayRef(per_block), " tensor, got ", scales.sizes(), " ",
+              scales.scalar_type());
   if (u4) {
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
+    TORCH_CHECK(offsets->scalar_type() == scales.scalar_type() && offsets->is_contiguous() &&
                     offsets->sizes() == at::IntArrayRef(per_block),
-                "tandem::linear_quant: the offsets are shaped as the scales");
+                "tandem::linear_quant: the offsets are shaped and typed as the scales");
   }
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -516,8 +538,6 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   const float* xp = rows.const_data_ptr<float>();
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = (M + chunks - 1) / chunks;
-  const float* op = u4 ? offsets->const_data_ptr<float>() : nullptr;
-  const float* sp = scales.const_data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const auto items = [&](auto&& run) {
     tandem_cpu::for_each_item(
@@ -530,28 +550,38 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
   const int64_t groups = K / block;
   const Quantized xq = quantize(xp, M, K, block, parts == 2);
-  const auto product = [&](auto u4_tag, auto two_tag) {
+  const auto product = [&](auto u4_tag, auto two_tag, auto scale_type) {
     constexpr bool U4 = decltype(u4_tag)::value, Two = decltype(two_tag)::value;
+    using S = typename decltype(scale_type)::type;
+    const S* sp = static_cast<const S*>(scales.const_data_ptr());
+    const S* op = u4 ? static_cast<const S*>(offsets->const_data_ptr()) : nullptr;
     items([&](int64_t m0, int64_t m, int64_t p) {
       const int64_t n0 = p * kPanel;
       const uint8_t* panel = cp + p * rows_of_k * kRow;
-      const float* ps = sp + p * groups * kPanel;
-      const float* po = op != nullptr ? op + p * groups * kPanel : nullptr;
+      const S* ps = sp + p * groups * kPanel;
+      const S* po = op != nullptr ? op + p * groups * kPanel : nullptr;
       in_tiles<kInt8Rows<Two>>(m, [&](auto tile_rows, int64_t r) {
         const int64_t row = m0 + r;
         const Out out{bp != nullptr ? bp + n0 : nullptr,
                       rp != nullptr ? rp + row * N + n0 : nullptr, yp + row * N + n0, N,
                       std::min(N - n0, kPanel)};
-        int8_tile<decltype(tile_rows)::value, U4, Two>(xq, row, K, panel, ps, po, block, out);
+        int8_tile<decltype(tile_rows)::value, U4, Two, S>(xq, row, K, panel, ps, po, block, out);
       });
     });
   };
   using Yes = std::true_type;
   using No = std::false_type;
-  if (u4 && parts == 2) product(Yes{}, Yes{});
-  if (u4 && parts == 1) product(Yes{}, No{});
-  if (!u4 && parts == 2) product(No{}, Yes{});
-  if (!u4 && parts == 1) product(No{}, No{});
+  const auto typed = [&](auto scale_type) {
+    if (u4 && parts == 2) product(Yes{}, Yes{}, scale_type);
+    if (u4 && parts == 1) product(Yes{}, No{}, scale_type);
+    if (!u4 && parts == 2) product(No{}, Yes{}, scale_type);
+    if (!u4 && parts == 1) product(No{}, No{}, scale_type);
+  };
+  if (half) {
+    typed(Type<Half>{});
+  } else {
+    typed(Type<float>{});
+  }
   return y.view(shape);
 }
 

@@ -29,7 +29,9 @@ class QuantPanels:
     for 4 inputs side by side: 4-bit codes of inputs 8j..8j+3 in the low nibbles and
     8j+4..8j+7 in the high ones, ``[P, in / 8, 192]``; 8-bit codes of inputs 4j..4j+3
     plus 128, ``[P, in / 4, 192]``, both uint8. ``scales`` and ``offsets`` (4-bit codes
-    only): ``[P, in / block, 48]`` float32; columns past ``out_features`` are zero.
+    only): ``[P, in / block, 48]``, float16 where every one of them is exact in it (a
+    Q4_1 weight then holds the 20 bytes per 32 inputs of its file), else float32;
+    columns past ``out_features`` are zero.
     ``qtype``: the source's type name (``Q4_1``, ``int8``), for messages and memory
     reports.
     """
@@ -88,15 +90,22 @@ class QuantPanels:
         else:
             values = quads.flatten(1).to(torch.int16) - 128
         values = values.float()
-        blocks = self.scales[panel, :, column].repeat_interleave(self.block, dim=1)
+        blocks = self.scales[panel, :, column].float().repeat_interleave(self.block, dim=1)
         out = values * blocks
         if self.offsets is not None:
-            out += self.offsets[panel, :, column].repeat_interleave(self.block, dim=1)
+            offsets = self.offsets[panel, :, column].float()
+            out += offsets.repeat_interleave(self.block, dim=1)
         return out.view(*index.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The whole weight in float32, ``[out_features, in_features]``."""
         return self.rows(torch.arange(self.out_features, device=self.codes.device))
+
+
+def exact_in_half(values: torch.Tensor) -> bool:
+    """Whether every value is float16's exactly (GGUF's Q4_0, Q4_1 and Q8_0 blocks store
+    their scales in float16; K-quants' are products of two, int8's float32)."""
+    return bool(torch.equal(values.half().float(), values))
 
 
 @torch.no_grad()
@@ -124,4 +133,7 @@ def to_quant_panels(weight: RowQuant, parts: int = 2) -> QuantPanels:
 
     offsets = None if weight.offsets is None else per_block(weight.offsets)
     scales = per_block(weight.scales)
+    if all(exact_in_half(t) for t in (scales, offsets) if t is not None):
+        scales = scales.half()
+        offsets = None if offsets is None else offsets.half()
     return QuantPanels(codes, scales, offsets, weight.block, rows, cols, weight.qtype, parts)
