@@ -31,7 +31,7 @@ from gguf.quants import dequantize
 
 from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models.quant_panels import PANEL_COLUMNS, QuantPanels, to_quant_panels
-from tandem.scheduler.models.quant_rows import KERNEL_TYPES, RowQuant, decode_gguf
+from tandem.scheduler.models.quant_rows import KERNEL_TYPES, RowQuant, decode_gguf, quantize_int8
 from tandem.scheduler.models.quantized import quant_kernel
 from tandem.scheduler.models.tiny import cache_root
 
@@ -188,6 +188,18 @@ def test_x_in_one_8_bit_part_as_llama_cpp_rounds_it(tokens: int, kind: str) -> N
     _check(panels, weight, tokens, bias=True, seed=tokens)
     x = torch.randn(tokens, 96)
     assert not torch.equal(panels(x), to_quant_panels(weight)(x))
+
+
+def test_int8_of_a_long_row_keeps_its_block_sums_in_32_bits() -> None:
+    """A row that 32 does not divide is quantized in blocks of at most 512: the whole
+    row's 1,000 codes of 127 times x's joined parts (127 x 256 each) overflowed the
+    block's 32-bit sum, and the product came out negative."""
+    if not QUANT:
+        return
+    form = quantize_int8(torch.full((3, 1000), 0.5))
+    assert form.block == 500
+    got = to_quant_panels(form)(torch.ones(2, 1000))
+    assert torch.allclose(got, torch.full((2, 3), 500.0), rtol=1e-5)
 
 
 def _rounded(x: torch.Tensor, block: int, parts: int) -> torch.Tensor:

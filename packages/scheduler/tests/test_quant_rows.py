@@ -193,6 +193,17 @@ def test_quantize_int8_is_within_half_a_step() -> None:
     assert form.codes[nonzero].abs().amax(dim=1).eq(127).all()
 
 
+@pytest.mark.parametrize(
+    ("cols", "block"), [(64, 32), (72, 72), (1000, 500), (1536, 32), (2052, 228), (1030, 1030)]
+)
+def test_quantize_int8_splits_a_row_the_default_does_not_divide(cols: int, block: int) -> None:
+    """The longest block of at most 512 inputs, a multiple of 4, that divides the row
+    (the kernel's 32-bit block sums); the whole row where none does."""
+    form = quantize_int8(torch.randn(2, cols, generator=torch.Generator().manual_seed(cols)))
+    assert form.block == block
+    assert form.scales.shape == (2, cols // block)
+
+
 def test_quantize_int8_chunks_and_dtypes_agree() -> None:
     weight = torch.randn(33, 40, generator=torch.Generator().manual_seed(4))
     whole = quantize_int8(weight)

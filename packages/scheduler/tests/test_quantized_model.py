@@ -276,7 +276,7 @@ def test_the_int8_products_decode_steps_of_a_request_or_two_are_short(
     dequantized every step of it is long (``wiring.default_forward_threads``)."""
     quantized, plain = runs["gguf"]["threads"], runs["none"]["threads"]
     assert plain.long_from_tokens == 1
-    if cpu_build.int8_products():
+    if quant_kernel():
         assert quantized.long_from_tokens == INT8_LONG_FROM_TOKENS
         assert (quantized.short, quantized.long) == (plain.short, plain.long)
     else:  # no kernel for them (no AVX2): the weights are dequantized

@@ -30,7 +30,7 @@ from tandem.scheduler.attention import (
 from tandem.scheduler.attention.torch_backend import TorchAttention
 from tandem.scheduler.config import EngineConfig
 from tandem.scheduler.engine.cpu_malloc import keep_freed_memory, release_freed_memory
-from tandem.scheduler.kernels.cpu_build import int8_products, load_cpu_kernels
+from tandem.scheduler.kernels.cpu_build import load_cpu_kernels
 from tandem.scheduler.kv.pools import KVLayout, PagedKVPool, ReqToTokenPool, total_memory_bytes
 from tandem.scheduler.models import (
     CausalLM,
@@ -39,6 +39,7 @@ from tandem.scheduler.models import (
     load_model,
     resolve_dtype,
 )
+from tandem.scheduler.models.quantized import quant_kernel
 from tandem.scheduler.models.source import resolve_model, resolve_tokenizer
 from tandem.scheduler.models.tensor_parallel import SINGLE, TensorParallel
 from tandem.scheduler.models.tiny import cache_root
@@ -170,7 +171,7 @@ def _wire(
         forward_threads = (
             ForwardThreads.fixed(cfg.cpu_forward_threads)
             if cfg.cpu_forward_threads
-            else default_forward_threads(local, cores, quant_kernels and int8_products())
+            else default_forward_threads(local, cores, quant_kernels and quant_kernel())
         )
     tokenizer = _load_tokenizer(tokenizer_path)
     eos_ids = _eos_ids(model_path, mc, tokenizer)

@@ -185,14 +185,6 @@ def bf16_panels() -> bool:
 
 
 @functools.cache
-def int8_products() -> bool:
-    """Whether the kernels built on this machine multiply quantized weights (their own
-    code layout, ``quant_panels``) by activations rounded to 8 bits with int8 dot
-    products: AVX512-VNNI's, or AVX2's on CPUs without it (``kernels/cpu_quant.cpp``)."""
-    return "-mavx2" in _flags()
-
-
-@functools.cache
 def panel_halves() -> bool:
     """Whether the kernels built on this machine are the AVX2 build (no AVX-512), whose
     ``linear_panels`` reads a float32 panel by halves of 24 columns

@@ -236,6 +236,20 @@ INT8_BLOCK = 32
 """Inputs per scale of ``quantize_int8``: Q8_0's blocks, which the CPU kernel's int8 dot
 products read as they read that type's."""
 
+INT8_LONGEST_BLOCK = 512
+"""The longest block ``quantize_int8`` makes of a row that ``INT8_BLOCK`` does not
+divide: the kernel sums a block's codes (up to 128) times x's two 8-bit parts joined
+(up to 32,639) in 32 bits, which holds up to 514 inputs."""
+
+
+def _row_block(cols: int) -> int:
+    """The longest block of ``cols`` inputs the kernel takes: a multiple of 4 dividing
+    the row, at most ``INT8_LONGEST_BLOCK``; the whole row where none does."""
+    for block in range(min(cols, INT8_LONGEST_BLOCK) // 4 * 4, 0, -4):
+        if cols % block == 0:
+            return block
+    return cols
+
 
 def quantize_int8(
     weight: torch.Tensor,
@@ -244,10 +258,10 @@ def quantize_int8(
     block: int = INT8_BLOCK,
     chunk_values: int = CHUNK_VALUES,
 ) -> RowQuant:
-    """Symmetric weight-only int8 with one scale per ``block`` inputs of each row (the
-    whole row where it does not split into blocks): scale = max|w| / 127, code =
-    round(w / scale) in [-127, 127]; an all-zero block gets scale 1 (codes 0). Rows go
-    through float32 about ``chunk_values`` weights at a time."""
+    """Symmetric weight-only int8 with one scale per ``block`` inputs of each row (where
+    that does not divide a row, the longest block that does, ``_row_block``): scale =
+    max|w| / 127, code = round(w / scale) in [-127, 127]; an all-zero block gets scale 1
+    (codes 0). Rows go through float32 about ``chunk_values`` weights at a time."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(
             f"{qtype}: expected a 2-D float weight, got {weight.dtype} {tuple(weight.shape)}"
@@ -256,7 +270,7 @@ def quantize_int8(
     if cols == 0:
         raise ValueError(f"{qtype}: weight has no columns")
     if cols % block:
-        block = cols
+        block = _row_block(cols)
     codes = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
     scales = torch.empty((rows, cols // block), dtype=torch.float32, device=weight.device)
     step = max(1, chunk_values // cols)
