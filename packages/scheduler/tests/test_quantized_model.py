@@ -30,7 +30,12 @@ from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models import ModelConfig, gguf_file, load_model
 from tandem.scheduler.models.gguf_file import GGUFTensor, gguf_folder
 from tandem.scheduler.models.quant_rows import KERNEL_TYPES
-from tandem.scheduler.models.quantized import QuantizedEmbedding, QuantizedLinear, quant_kernel
+from tandem.scheduler.models.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    quant_kernel,
+    quantize_layers_int8,
+)
 from tandem.scheduler.models.tiny import cache_root
 from tandem.scheduler.text.tokenizer import Tokenizer
 
@@ -258,6 +263,23 @@ def test_the_quantized_engines_perplexity_is_within_half_a_percent(
     # 1 % too, its offsets multiplying x as rounded (test_cpu_quant; the figures before
     # and after: docs/benchmarks.md).
     assert abs(_perplexity(runs["gguf-one-part"]["outs"]) / plain - 1) <= 0.01
+
+
+def test_int8_leaves_a_layer_whose_inputs_4_does_not_divide_in_float(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The kernel reads 8-bit codes in fours: such a layer keeps its float weight, with
+    a warning naming it, and the model's output is the same as before."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].odd = torch.nn.Linear(6, 8)
+    model.layers[0].even = torch.nn.Linear(8, 8)
+    odd = model.layers[0].odd
+    with caplog.at_level(logging.WARNING):
+        assert quantize_layers_int8(model) == 1
+    assert model.layers[0].odd is odd
+    assert isinstance(model.layers[0].even, QuantizedLinear)
+    assert "layers.0.odd keeps its float weight" in caplog.text
 
 
 def test_the_quantized_engine_holds_a_fraction_of_the_weights_memory(

@@ -9,6 +9,7 @@ fused projections (q/k/v, gate/up) one ``PackedLinear`` over them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ from tandem.scheduler.models.quant_panels import QuantPanels, to_quant_panels
 
 if TYPE_CHECKING:
     from tandem.scheduler.models.quant_rows import RowQuant
+
+log = logging.getLogger(__name__)
 
 
 class QuantizedLinear(nn.Module):
@@ -146,12 +149,20 @@ def quantize_layers_int8(model: nn.Module, parts: int = 2, *, every_linear: bool
     every ``nn.Linear`` of the decoder layers, made from their loaded float weights, each
     float weight freed as its codes are made; the embedding and head keep their dtype,
     as SGLang's and vLLM's weight-only schemes leave them (``every_linear``: every
-    ``nn.Linear`` of ``model``, as a draft head wants). Returns the layers converted."""
+    ``nn.Linear`` of ``model``, as a draft head wants). A layer whose inputs 4 does not
+    divide keeps its float weight, with a warning: the kernel reads 8-bit codes in
+    fours. Returns the layers converted."""
     from tandem.scheduler.models.quant_rows import quantize_int8
 
     converted = 0
     for name, old in list(model.named_modules()):
         if not isinstance(old, nn.Linear) or not (every_linear or ".layers." in f".{name}"):
+            continue
+        if old.in_features % 4:
+            log.warning(
+                "int8: %s keeps its float weight: its %d inputs are not a multiple of 4",
+                name, old.in_features,
+            )  # fmt: skip
             continue
         parent_name, _, attr = name.rpartition(".")
         layer = QuantizedLinear(old.in_features, old.out_features, old.bias, parts)
