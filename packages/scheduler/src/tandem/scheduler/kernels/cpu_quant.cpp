@@ -76,13 +76,14 @@ inline void in_tiles(int64_t M, Tile tile) {
 // exactly, in integers, or without VNNI the code's sign moves onto x).
 constexpr int64_t kRow = kPanel * 4;  // bytes of a code row
 
-// A block's scales (or offsets) of `lanes` columns as float32, from either type they
-// are held in.
 using Half = uint16_t;  // float16's bits
 template <typename T>
 struct Type {  // a type as a value, for the dispatch in linear_quant
   using type = T;
 };
+
+// A vector of a block's scales (or offsets), 16 or 8 columns, as float32, from either
+// type they are held in.
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const Half* p) {

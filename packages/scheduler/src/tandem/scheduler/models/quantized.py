@@ -145,7 +145,7 @@ def replace_with_quantized(
 
 @torch.no_grad()
 def quantize_layers_int8(model: nn.Module, parts: int = 2, *, every_linear: bool = False) -> int:
-    """Weight-only int8 (``quant_rows.quantize_int8``: one scale per output channel) for
+    """Weight-only int8 (``quant_rows.quantize_int8``: a scale per 32 inputs of a row) for
     every ``nn.Linear`` of the decoder layers, made from their loaded float weights, each
     float weight freed as its codes are made; the embedding and head keep their dtype,
     as SGLang's and vLLM's weight-only schemes leave them (``every_linear``: every
