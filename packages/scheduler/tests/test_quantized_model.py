@@ -268,8 +268,8 @@ def test_the_quantized_engines_perplexity_is_within_half_a_percent(
 def test_int8_leaves_a_layer_whose_inputs_4_does_not_divide_in_float(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The kernel reads 8-bit codes in fours: such a layer keeps its float weight, with
-    a warning naming it, and the model's output is the same as before."""
+    """The kernel reads 8-bit codes in fours: such a layer keeps its float weight (the
+    same module), with a warning naming it; its neighbour is converted."""
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.layers[0].odd = torch.nn.Linear(6, 8)

@@ -77,10 +77,6 @@ inline void in_tiles(int64_t M, Tile tile) {
 constexpr int64_t kRow = kPanel * 4;  // bytes of a code row
 
 using Half = uint16_t;  // float16's bits
-template <typename T>
-struct Type {  // a type as a value, for the dispatch in linear_quant
-  using type = T;
-};
 
 // A vector of a block's scales (or offsets), 16 or 8 columns, as float32, from either
 // type they are held in.
@@ -553,7 +549,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
   const Quantized xq = quantize(xp, M, K, block, parts == 2);
   const auto product = [&](auto u4_tag, auto two_tag, auto scale_type) {
     constexpr bool U4 = decltype(u4_tag)::value, Two = decltype(two_tag)::value;
-    using S = typename decltype(scale_type)::type;
+    using S = decltype(scale_type);  // float or Half, passed as a value of it
     const S* sp = static_cast<const S*>(scales.const_data_ptr());
     const S* op = u4 ? static_cast<const S*>(offsets->const_data_ptr()) : nullptr;
     items([&](int64_t m0, int64_t m, int64_t p) {
@@ -579,9 +575,9 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& codes, const at::
     if (!u4 && parts == 1) product(No{}, No{}, scale_type);
   };
   if (half) {
-    typed(Type<Half>{});
+    typed(Half{});
   } else {
-    typed(Type<float>{});
+    typed(float{});
   }
   return y.view(shape);
 }
