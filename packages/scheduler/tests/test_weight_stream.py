@@ -1,7 +1,8 @@
 """The weight stream (``kernels/cpu_stream.cpp``, ``models/weight_stream.py``): products of
 few rows over its weights tell it where the step is and it reads ahead of them, products
-of many rows and over other weights do not; it never changes a product; the stream
-opened last is the one products report to; closing stops it; bad arguments are refused.
+of many rows and over other weights do not; it never changes a product; a product
+reports to the last stream opened that holds its weight; closing stops it; bad
+arguments are refused.
 Then through the engine: on by default for the default model's quantized weights where
 a short step leaves a core free, off under ``disable_cpu_weight_stream`` or with one
 thread for every step, the same greedy tokens either way, closed at shutdown."""
@@ -99,6 +100,28 @@ def test_products_report_to_the_stream_opened_last() -> None:
         for panels in products:
             panels(x)
         assert first.stats().short_products == len(products)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_each_stream_hears_of_its_own_weights() -> None:
+    """Two engines in one process (``tandem bench --compare-speculative``): the first
+    one's products reach its own stream, not the one opened after it."""
+    mine = [_panels(48, 32, seed) for seed in range(2)]
+    theirs = [_panels(48, 32, seed) for seed in range(2, 5)]
+    first = WeightStream(mine, rows_below=2)
+    second = WeightStream(theirs, rows_below=2)
+    try:
+        x = torch.randn(1, 32)
+        for panels in mine:
+            panels(x)
+        assert first.stats().short_products == len(mine)
+        assert second.stats().short_products == 0
+        for panels in theirs:
+            panels(x)
+        assert second.stats().short_products == len(theirs)
+        assert first.stats().short_products == len(mine)
     finally:
         first.close()
         second.close()

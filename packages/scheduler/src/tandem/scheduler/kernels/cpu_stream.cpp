@@ -61,6 +61,9 @@ class Stream {
 
   ~Stream() { stop(); }
 
+  // Whether a product over the weight whose codes start at `codes` is one of its own.
+  bool holds(const void* codes) const { return starts_.count(codes) != 0; }
+
   void reached(const void* codes, int64_t rows) {
     const auto found = starts_.find(codes);
     if (found == starts_.end()) return;
@@ -168,8 +171,10 @@ class Stream {
   std::thread thread_;
 };
 
-// The open streams by handle; products report to the last one opened. Never destroyed:
-// a stream left open at exit is not joined while the process's statics go.
+// The open streams by handle; a product reports to the last one opened that holds its
+// weight, so that two engines in one process (`tandem bench --compare-overlap`) each
+// stream their own weights. Never destroyed: a stream left open at exit is not joined
+// while the process's statics go.
 struct Registry {
   std::mutex mutex;
   std::map<int64_t, std::shared_ptr<Stream>> streams;
@@ -235,10 +240,14 @@ void weight_reached(const void* codes, int64_t rows) {
     Registry& r = registry();
     if (r.open.load(std::memory_order_relaxed) == 0) return;  // most processes: no lock
     std::lock_guard<std::mutex> lock(r.mutex);
-    if (r.streams.empty()) return;
-    stream = r.streams.rbegin()->second;
+    for (auto it = r.streams.rbegin(); it != r.streams.rend(); ++it) {
+      if (it->second->holds(codes)) {
+        stream = it->second;
+        break;
+      }
+    }
   }
-  stream->reached(codes, rows);
+  if (stream != nullptr) stream->reached(codes, rows);
 }
 
 }  // namespace tandem_cpu
