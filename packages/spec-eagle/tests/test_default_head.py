@@ -1,5 +1,5 @@
 """The EAGLE-3 head built in for the default model (SmolLM2-135M-Instruct, trained by
-``tools/train_eagle.py smollm2``): used with no draft path, and greedy output with it
+``tools/train_eagle.py chat``): used with no draft path, and greedy output with it
 equals greedy output without it on the tool's held-out chat prompts, chain and tree,
 both loops, radix cache warm, structured output on; its drafts are accepted.
 

@@ -61,9 +61,9 @@ class EngineConfig:
             option). ``gguf``: a GGUF file's quantized weights stay in their blocks
             (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; other types are dequantized with a
             warning), multiplied by tandem's kernels; ``int8``: weight-only int8, one
-            scale per output channel, made at load from float weights (any
-            checkpoint); ``none``: every weight dequantized to ``dtype``. Default: ``gguf``
-            for a GGUF file on one CPU rank, else ``none``.
+            scale per block of 32 inputs of each output channel, made at load from float
+            weights (any checkpoint); ``none``: every weight dequantized to ``dtype``.
+            Default: ``gguf`` for a GGUF file on one CPU rank, else ``none``.
         cpu_int8_activations: the quantized products round x to 8 bits per block,
             as llama.cpp does, instead of two 8-bit parts (1 / 65,000
             of each block's largest value): half their work, about twice the speed of
