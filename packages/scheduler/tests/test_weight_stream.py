@@ -86,45 +86,29 @@ def test_the_stream_never_changes_a_product(tokens: int) -> None:
         stream.close()
 
 
-def test_products_report_to_the_stream_opened_last() -> None:
+def test_a_product_reports_to_the_last_stream_opened_that_holds_its_weight() -> None:
+    """Of two streams over the same weights the later one hears of them; a stream over
+    other weights opened after both (a second engine in the process, as under ``tandem
+    bench --compare-speculative``) takes none of their reports."""
     products = [_panels(48, 32, seed) for seed in range(2)]
+    others = [_panels(48, 32, seed) for seed in range(2, 5)]
     first = WeightStream(products, rows_below=2)
     second = WeightStream(products, rows_below=2)
+    third = WeightStream(others, rows_below=2)
+    streams = (first, second, third)
     try:
         x = torch.randn(1, 32)
-        for panels in products:
+        for panels in [*products, *others]:
             panels(x)
-        assert first.stats().short_products == 0
-        assert second.stats().short_products == len(products)
+        assert [s.stats().short_products for s in streams] == [0, len(products), len(others)]
         second.close()
         for panels in products:
             panels(x)
         assert first.stats().short_products == len(products)
+        assert third.stats().short_products == len(others)
     finally:
-        first.close()
-        second.close()
-
-
-def test_each_stream_hears_of_its_own_weights() -> None:
-    """Two engines in one process (``tandem bench --compare-speculative``): the first
-    one's products reach its own stream, not the one opened after it."""
-    mine = [_panels(48, 32, seed) for seed in range(2)]
-    theirs = [_panels(48, 32, seed) for seed in range(2, 5)]
-    first = WeightStream(mine, rows_below=2)
-    second = WeightStream(theirs, rows_below=2)
-    try:
-        x = torch.randn(1, 32)
-        for panels in mine:
-            panels(x)
-        assert first.stats().short_products == len(mine)
-        assert second.stats().short_products == 0
-        for panels in theirs:
-            panels(x)
-        assert second.stats().short_products == len(theirs)
-        assert first.stats().short_products == len(mine)
-    finally:
-        first.close()
-        second.close()
+        for stream in streams:
+            stream.close()
 
 
 def test_close_stops_the_stream_and_is_idempotent() -> None:
