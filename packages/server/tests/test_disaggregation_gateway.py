@@ -40,6 +40,9 @@ COMPLETIONS = [f"Story {i}: once upon a time" + " there was" * (i % 4) for i in 
 CHATS = [f"Question {i}: name a colour" + "?" * (i % 3) for i in range(8)]
 IDLE_KEYS = ("free_rows", "available_kv_tokens", "cached_kv_tokens", "max_total_tokens")
 WAIT_S = 20.0
+FLEET_START_S = 600
+"""How long the prefill, decode and gateway processes may take to come up: a bound on a
+hang, not on speed (they load at once on the CI's two cores, beside other tests)."""
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,9 @@ def fleet(request: pytest.FixtureRequest, cache: Path, tmp_path: Path) -> Iterat
     env = {**os.environ, "TANDEM_CACHE_DIR": str(cache), "TANDEM_DEBUG_FUTURES": "1"}
     worker_args = ["--model-path", "tandem-tiny", "--cpu-forward-threads", "1"]
     worker_args += ["--disaggregation-timeout", "30"]
-    with pd_bench.pd_fleet(backend, worker_args, env=env, timeout_s=120, logs=tmp_path) as running:
+    with pd_bench.pd_fleet(
+        backend, worker_args, env=env, timeout_s=FLEET_START_S, logs=tmp_path
+    ) as running:
         yield running
     for started in running.processes:  # shown when the test fails
         sys.stderr.write(f"--- {started.name} ---\n{started.tail(40)}\n")

@@ -40,6 +40,9 @@ from tandem.server.server_config import ServerConfig
 
 bench = load_module(ROOT / "tools" / "gateway_bench.py", "gateway_bench_under_test")
 KEY = "sk-gateway-test"
+FLEET_START_S = 600
+"""How long a fleet of servers may take to come up: a bound on a hang, not on speed
+(the workers load at once on the CI's two cores, beside other tests' processes)."""
 INFO = {
     "model_path": "/srv/models/llama",
     "architecture": "LlamaForCausalLM",
@@ -174,7 +177,7 @@ def test_two_workers_behind_smg(tmp_path: Path) -> None:
     default_model_path(tmp_path)  # built once here, not by both workers at once
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path), "TANDEM_DEBUG_FUTURES": "1"}
     workers = ["--model-path", "tandem-tiny", "--cpu-forward-threads", "1"]
-    with bench.fleet(2, env=env, worker_args=workers, timeout_s=120) as f:
+    with bench.fleet(2, env=env, worker_args=workers, timeout_s=FLEET_START_S) as f:
         _discovered_as_sglang(f)
         _burst_uses_both_workers(f)
         _shared_prefix_goes_to_one_worker(f, tmp_path)
@@ -286,7 +289,7 @@ def test_the_script_benchmarks_through_the_gateway(
     default_model_path(tmp_path)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # the workers' environment
     tiny = ["--num-prompts", "8", "--random-input-len", "16", "--random-output-len", "4"]
-    assert bench.main(["--timeout", "120", "--", *tiny]) == 0
+    assert bench.main(["--timeout", str(FLEET_START_S), "--", *tiny]) == 0
     out = capsys.readouterr().out
     assert re.search(r"Successful requests\s+8\n", out), out
     served = [int(n) for n in re.findall(r"^http://127\.0\.0\.1:\d+: (\d+) requests", out, re.M)]
