@@ -175,7 +175,7 @@ def portable(args: argparse.Namespace, command: list[str]) -> list[str]:
     """A server's command as recorded: the GGUF file and llama.cpp's binaries named by
     placeholders, no path of this machine."""
     llama_bin = args.llama.binary("llama-server").parent if args.llama is not None else None
-    return peers.portable(command, Path(args.checkpoint.path), ROOT, llama_bin)
+    return peers.portable(command, args.checkpoint.path, ROOT, llama_bin)
 
 
 def record(

@@ -10,6 +10,10 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[3]
 HOOK = ROOT / "docs" / "hooks" / "bench_figures.py"
+FLEET_START_S = 600
+"""How long a fleet of servers a tool starts (gateway_bench, pd_bench) may take to come
+up: a bound on a hang, not on speed (they load at once on the CI's two cores, beside
+other tests' processes)."""
 
 
 def load_module(path: Path, name: str) -> ModuleType:

@@ -28,7 +28,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from repo_scripts import ROOT, load_module
+from repo_scripts import FLEET_START_S, ROOT, load_module
 
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
@@ -40,9 +40,6 @@ COMPLETIONS = [f"Story {i}: once upon a time" + " there was" * (i % 4) for i in 
 CHATS = [f"Question {i}: name a colour" + "?" * (i % 3) for i in range(8)]
 IDLE_KEYS = ("free_rows", "available_kv_tokens", "cached_kv_tokens", "max_total_tokens")
 WAIT_S = 20.0
-FLEET_START_S = 600
-"""How long the prefill, decode and gateway processes may take to come up: a bound on a
-hang, not on speed (they load at once on the CI's two cores, beside other tests)."""
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import pytest
 from fastapi import FastAPI
 
 sys.path.insert(0, str(Path(__file__).parent))
-from repo_scripts import ROOT, load_module
+from repo_scripts import FLEET_START_S, ROOT, load_module
 from server_process import call_asgi
 
 from tandem.scheduler.models.tiny import default_model_path
@@ -40,9 +40,6 @@ from tandem.server.server_config import ServerConfig
 
 bench = load_module(ROOT / "tools" / "gateway_bench.py", "gateway_bench_under_test")
 KEY = "sk-gateway-test"
-FLEET_START_S = 600
-"""How long a fleet of servers may take to come up: a bound on a hang, not on speed
-(the workers load at once on the CI's two cores, beside other tests' processes)."""
 INFO = {
     "model_path": "/srv/models/llama",
     "architecture": "LlamaForCausalLM",
