@@ -21,8 +21,9 @@ from tandem.scheduler.engine.wiring import (
     LONG_TOKEN_WEIGHTS,
     default_forward_threads,
 )
+from tandem.scheduler.kernels import cpu_build
 from tandem.scheduler.models import ModelConfig
-from tandem.scheduler.models.tiny import default_model_path
+from tandem.scheduler.models.tiny import cache_root, default_model_path
 from tandem.scheduler.runner.cpu_step import CpuStep, ForwardThreads
 
 PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -37,6 +38,8 @@ def _engine(path: Path, **options: object) -> Engine:
 def test_cli_generates_with_the_tiny_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # The CPU kernels from this machine's cache, not built anew into the empty one.
+    assert cpu_build.load_cpu_kernels(cache_root() / "kernels")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     tiny = ["--model-path", "tandem-tiny"]
     assert main([*tiny, "--prompt", "Hello", "--max-new-tokens", "5", "--device", "cpu"]) == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from server_process import free_port
+from server_process import free_port, share_kernels
 
 from tandem.scheduler.models.tiny import tiny_model_path
 from tandem.server.cli import build_parser, engine_kwargs, main, resolve_models
@@ -171,6 +171,7 @@ def test_ctrl_c_stops_the_server_without_a_traceback(tmp_path: Path, when: str) 
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "tandem.server", "serve", "--model-path", "tandem-tiny"]
     cmd += ["--device", "cpu", "--port", str(free_port())]
+    share_kernels(tmp_path / "cache")
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -207,6 +208,7 @@ def test_ctrl_c_before_uvicorn_takes_the_signal_ends_as_an_interruption(
     def interrupted(self: TandemServer, sockets: object = None) -> None:
         raise KeyboardInterrupt
 
+    share_kernels(tmp_path / "cache")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(TandemServer, "run", interrupted)
     code = main(["serve", "--model-path", "tandem-tiny", "--port", str(free_port())])
@@ -233,6 +235,7 @@ def test_ctrl_c_while_uvicorn_loads_the_app_abandons_the_start_cleanly(
         load(self)
         signal.raise_signal(signal.SIGINT)  # to the handler uvicorn installed
 
+    share_kernels(tmp_path / "cache")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(uvicorn.Config, "load", load_then_interrupt)
     started = []

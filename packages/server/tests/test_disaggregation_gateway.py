@@ -29,6 +29,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from repo_scripts import FLEET_START_S, ROOT, load_module
+from server_process import share_kernels
 
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
@@ -75,6 +76,7 @@ def fleet(request: pytest.FixtureRequest, cache: Path, tmp_path: Path) -> Iterat
     if backend == "mooncake" and importlib.util.find_spec("mooncake") is None:
         pytest.fail("needs Mooncake: pip install mooncake-transfer-engine-non-cuda")
     default_model_path(cache)  # built before the servers start, not by both at once
+    share_kernels(cache)
     env = {**os.environ, "TANDEM_CACHE_DIR": str(cache), "TANDEM_DEBUG_FUTURES": "1"}
     worker_args = ["--model-path", "tandem-tiny", "--cpu-forward-threads", "1"]
     worker_args += ["--disaggregation-timeout", "30"]

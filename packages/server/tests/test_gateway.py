@@ -27,7 +27,7 @@ from fastapi import FastAPI
 
 sys.path.insert(0, str(Path(__file__).parent))
 from repo_scripts import FLEET_START_S, ROOT, load_module
-from server_process import call_asgi
+from server_process import call_asgi, share_kernels
 
 from tandem.scheduler.models.tiny import default_model_path
 from tandem.scheduler.text.tokenizer import Tokenizer
@@ -172,6 +172,7 @@ def test_two_workers_behind_smg(tmp_path: Path) -> None:
     if importlib.util.find_spec("smg") is None:
         pytest.fail("needs the SGLang Model Gateway: pip install smg (a test dependency)")
     default_model_path(tmp_path)  # built once here, not by both workers at once
+    share_kernels(tmp_path)
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path), "TANDEM_DEBUG_FUTURES": "1"}
     workers = ["--model-path", "tandem-tiny", "--cpu-forward-threads", "1"]
     with bench.fleet(2, env=env, worker_args=workers, timeout_s=FLEET_START_S) as f:
@@ -284,6 +285,7 @@ def test_the_script_benchmarks_through_the_gateway(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     default_model_path(tmp_path)
+    share_kernels(tmp_path)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # the workers' environment
     tiny = ["--num-prompts", "8", "--random-input-len", "16", "--random-output-len", "4"]
     assert bench.main(["--timeout", str(FLEET_START_S), "--", *tiny]) == 0
