@@ -50,7 +50,8 @@ at several concurrencies. Its markers:
   tokens/s of each engine, their ratio, TPOT and TTFT p50 of each), then per file the
   machine, the versions and the exact commands (the script's and both servers');
 - ``<!-- bench:summary SET vs_vllm_cpu -->``: one bullet per file with the ratios (and,
-  for a file of several alternating rounds, the lowest and highest ratio of one round);
+  for a file of several alternating rounds, the lowest and highest ratio of one round),
+  and each level against the project's target where the file has one (``VS_TARGETS_*``);
 - ``<!-- bench:plot SET vs_vllm_throughput -->``: output tokens/s against concurrency
   (log2), one line per engine and file.
 
@@ -1051,6 +1052,11 @@ VS_FIGURES = tuple(
     f"{stat}_{what}_ms" for what in ("ttft", "tpot", "itl") for stat in ("mean", "median", "p99")
 )
 VS_RATIO = "tandem_vs_{}_output_throughput"  # one per peer in the file
+# The project's output throughput targets, tandem over a peer (the Benchmarks page says
+# where each comes from): over vLLM's CPU build per dtype, at every level; over
+# llama.cpp's server with tandem on a Q4_1 file's blocks, at one stream and above one.
+VS_TARGETS_VLLM = {"float32": 1.2, "bfloat16": 1.0}
+VS_TARGETS_LLAMACPP_Q4_1 = (1.5, 3.0)
 VS_ROUNDS = "output_throughput_runs"
 # plot metric -> (the kind of file it plots, its label)
 VS_METRICS = {
@@ -1127,6 +1133,17 @@ class VsResult:
         if held.get("quantization") == "int8":
             return "tandem in weight-only int8"
         return f"tandem in {self.dtype}"
+
+    def target(self, peer: str, concurrency: int) -> float | None:
+        """The least tandem / ``peer`` output throughput the project aims at on this
+        level, if it has a target for such a file (``VS_TARGETS_*``)."""
+        if peer == "vllm":
+            return VS_TARGETS_VLLM.get(self.dtype)
+        held = self.engines.get("tandem", {}).get("weights") or {}
+        if peer == "llamacpp" and self.weights == "Q4_1" and held.get("quantization") == "gguf":
+            one, more = VS_TARGETS_LLAMACPP_Q4_1
+            return one if concurrency == 1 else more
+        return None
 
     @property
     def label(self) -> str:
@@ -1379,8 +1396,43 @@ def _vs_summary(results: list[Result]) -> str:
                 )
         else:
             text = f"{', '.join(VS_ENGINES[e] for e in v.engines)} only, nothing to compare"
-        bullets.append(f"- `{r.name}` ({v.label}): {text}.")
+        verdicts = "".join(_vs_verdict(v, peer) for peer in v.peers)
+        bullets.append(f"- `{r.name}` ({v.label}): {text}.{verdicts}")
     return "\n".join(bullets)
+
+
+def _vs_verdict(v: VsResult, peer: str) -> str:
+    """A sentence: each level against its target, if the file has one. A level reaches
+    it where the ratio as shown (two decimals) is at least the target."""
+    targets: dict[float, list[str]] = {}
+    reached, missed = [], []
+    for row in v.rows:
+        target, ratio = v.target(peer, row.concurrency), row.ratio(peer)
+        if target is None or ratio is None:
+            continue
+        targets.setdefault(target, []).append(str(row.concurrency))
+        shown = round(ratio, 2)
+        if shown >= target:
+            reached.append(str(row.concurrency))
+        else:
+            missed.append(f"{row.concurrency} by {target - shown:.2f}")
+    if not targets:
+        return ""
+    if len(targets) == 1:
+        wanted = f"{next(iter(targets)):.1f} at every level"
+    else:
+        wanted = ", ".join(f"{t:.1f} at {_and(levels)}" for t, levels in targets.items())
+    verdicts = [f"reached at {_and(reached)}"] if reached else []
+    if not missed:
+        verdicts = ["reached at every level"]
+    verdicts += [f"missed at {_and(missed, 'at ')}"] if missed else []
+    return f" Against the target over {VS_ENGINES[peer]} ({wanted}): {'; '.join(verdicts)}."
+
+
+def _and(items: list[str], each: str = "") -> str:
+    """``a, b and c``; ``each`` goes before every item but the first."""
+    items = items[:1] + [each + item for item in items[1:]]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _vs_spread(row: VsRow, peer: str) -> str:

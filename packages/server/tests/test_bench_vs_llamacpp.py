@@ -462,6 +462,33 @@ def test_docs_hook_renders_a_llamacpp_file(hook: ModuleType, tmp_path: Path) -> 
     assert "tandem / vLLM output throughput 2.00 at 1" in hook._vs_summary([three])
 
 
+def test_docs_hook_measures_the_q4_1_blocks_against_their_target(
+    hook: ModuleType, tmp_path: Path
+) -> None:
+    """Over llama.cpp, only tandem on a Q4_1 file's blocks has a target (1.5 at one
+    stream, 3.0 above); each level reaches it or says by how much it misses."""
+    record = _llama_record()
+    assert "Against the target" not in hook._vs_summary(
+        [hook._load(_write(tmp_path, "vs-llamacpp-a.json", record), tmp_path)]
+    )  # tandem in float32: no target
+    record["engines"]["tandem"]["weights"] = {"quantization": "gguf"}
+    for row, (tandem, llamacpp) in zip(
+        record["results"], ((59.7, 40.0), (300.0, 100.0)), strict=True
+    ):
+        row["tandem"]["output_throughput"] = tandem
+        row["llamacpp"]["output_throughput"] = llamacpp
+        row["tandem_vs_llamacpp_output_throughput"] = tandem / llamacpp
+    result = hook._load(_write(tmp_path, "vs-llamacpp-b.json", record), tmp_path)
+    summary = hook._vs_summary([result])
+    want = (
+        "Against the target over llama.cpp (1.5 at 1, 3.0 at 8): reached at 8; missed at 1 by 0.01."
+    )
+    assert want in summary
+    record["model"] = {**record["model"], "weights": "Q8_0"}
+    q8_0 = hook._load(_write(tmp_path, "vs-llamacpp-c.json", record), tmp_path)
+    assert "Against the target" not in hook._vs_summary([q8_0])
+
+
 def test_docs_hook_keeps_the_two_kinds_apart(hook: ModuleType, tmp_path: Path) -> None:
     """Each kind's markers show that kind's files only."""
     vllm_record = copy.deepcopy(_llama_record(("tandem", "vllm")))

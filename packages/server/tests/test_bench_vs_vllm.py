@@ -329,6 +329,8 @@ def test_docs_hook_renders_the_file(hook: ModuleType, tmp_path: Path) -> None:
     assert "python tools/bench_vllm_cpu.py --model 10m --concurrency 1 8" in table
     assert "VLLM_CPU_KVCACHE_SPACE=1 '<vllm venv>/bin/python' -m" in table
     assert "0.75 at 1, 2.00 at 8" in hook._vs_summary([result])
+    want = "Against the target over vLLM (1.2 at every level): reached at 8; missed at 1 by 0.45."
+    assert want in hook._vs_summary([result])
     assert hook._vs_plot([result], "cpu").startswith(b"<?xml")
 
 
