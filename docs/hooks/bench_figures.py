@@ -1123,10 +1123,16 @@ class VsResult:
         return f"{self.model} {self.weights}" if self.weights else self.model
 
     @property
+    def tandem_held(self) -> dict[str, Any]:
+        """The record tandem's server gave of how it held the weights (files from
+        before quantized weights have none: empty)."""
+        return self.engines.get("tandem", {}).get("weights") or {}
+
+    @property
     def tandem_weights(self) -> str:
         """How tandem held a GGUF file's weights: the record its server gave (files
         from before quantized weights have none: dequantized to the dtype)."""
-        held = self.engines.get("tandem", {}).get("weights") or {}
+        held = self.tandem_held
         if held.get("quantization") == "gguf":
             parts = "one 8-bit part" if held.get("cpu_int8_activations") else "two 8-bit parts"
             return f"tandem on the {self.weights} blocks (x in {parts} where int8)"
@@ -1139,8 +1145,8 @@ class VsResult:
         level, if it has a target for such a file (``VS_TARGETS_*``)."""
         if peer == "vllm":
             return VS_TARGETS_VLLM.get(self.dtype)
-        held = self.engines.get("tandem", {}).get("weights") or {}
-        if peer == "llamacpp" and self.weights == "Q4_1" and held.get("quantization") == "gguf":
+        on_blocks = self.tandem_held.get("quantization") == "gguf"
+        if peer == "llamacpp" and self.weights == "Q4_1" and on_blocks:
             one, more = VS_TARGETS_LLAMACPP_Q4_1
             return one if concurrency == 1 else more
         return None
@@ -1422,10 +1428,11 @@ def _vs_verdict(v: VsResult, peer: str) -> str:
         wanted = f"{next(iter(targets)):.1f} at every level"
     else:
         wanted = ", ".join(f"{t:.1f} at {_and(levels)}" for t, levels in targets.items())
-    verdicts = [f"reached at {_and(reached)}"] if reached else []
     if not missed:
         verdicts = ["reached at every level"]
-    verdicts += [f"missed at {_and(missed, 'at ')}"] if missed else []
+    else:
+        verdicts = [f"reached at {_and(reached)}"] if reached else []
+        verdicts.append(f"missed at {_and(missed, 'at ')}")
     return f" Against the target over {VS_ENGINES[peer]} ({wanted}): {'; '.join(verdicts)}."
 
 

@@ -484,6 +484,11 @@ def test_docs_hook_measures_the_q4_1_blocks_against_their_target(
         "Against the target over llama.cpp (1.5 at 1, 3.0 at 8): reached at 8; missed at 1 by 0.01."
     )
     assert want in summary
+    first = record["results"][0]
+    first["tandem"]["output_throughput"] = 60.0
+    first["tandem_vs_llamacpp_output_throughput"] = 1.5
+    level = hook._load(_write(tmp_path, "vs-llamacpp-d.json", record), tmp_path)
+    assert "8): reached at every level." in hook._vs_summary([level])
     record["model"] = {**record["model"], "weights": "Q8_0"}
     q8_0 = hook._load(_write(tmp_path, "vs-llamacpp-c.json", record), tmp_path)
     assert "Against the target" not in hook._vs_summary([q8_0])
